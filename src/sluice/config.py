@@ -1,0 +1,100 @@
+"""Typed engine configuration: model, cache and scheduler settings.
+
+Built from keyword arguments (offline API) or CLI flags; no environment variables.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """'auto' picks bfloat16 where the hardware computes it natively, else float32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
+    return names[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "cpu"
+    # None: the model's own context length.
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # GiB of memory for K and V of all layers; ignored when num_blocks is given.
+    kv_cache_memory: float = 1.0
+    num_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Flat keyword arguments (model=, dtype=, block_size=, ...) to nested config."""
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        values: dict[str, dict] = {name: {} for name in parts}
+        for key, value in kwargs.items():
+            for name, klass in parts.items():
+                if key in {f.name for f in dataclasses.fields(klass)}:
+                    values[name][key] = value
+                    break
+            else:
+                raise ValueError(f"unknown engine option {key!r}")
+        cfg = cls(**{name: parts[name](**v) for name, v in values.items()})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        c, s = self.cache, self.scheduler
+        if c.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {c.block_size}")
+        if c.num_blocks is not None and c.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {c.num_blocks}")
+        if c.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {c.kv_cache_memory}")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if s.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if self.model.max_model_len is not None and self.model.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")

@@ -1,0 +1,94 @@
+"""BlockPool: fixed-size KV blocks with reference counts and an O(1) LRU free list.
+
+Blocks are identified by integer ids into the runner's preallocated K/V tensors.
+Free blocks wait in a doubly linked list in least-recently-freed order, so that a
+later prefix cache can evict the coldest block first and revive a freed one in O(1).
+"""
+from __future__ import annotations
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list with sentinels: popleft, append and remove are all O(1)."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self.head = KVBlock(-1)
+        self.tail = KVBlock(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self.tail.prev
+        last.next, block.prev = block, last
+        block.next, self.tail.prev = self.tail, block
+        self.num_free += 1
+
+    def popleft(self) -> KVBlock:
+        if self.num_free == 0:
+            raise IndexError("no free blocks")
+        block = self.head.next
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def ids(self) -> list[int]:
+        out, b = [], self.head.next
+        while b is not self.tail:
+            out.append(b.block_id)
+            b = b.next
+        return out
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the LRU end; the caller checks num_free_blocks first."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free list
+        in the given order (the caller passes tail blocks first so they are evicted first)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)

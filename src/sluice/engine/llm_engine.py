@@ -1,0 +1,129 @@
+"""LLMEngine: the synchronous engine the offline API and the server drive.
+
+    plan = scheduler.schedule()         who runs this step, how many tokens each
+    result = runner.execute(plan)       one forward over a flat batch, then sampling
+    update = scheduler.update(...)      append tokens, stop checks, free blocks
+    outputs.process(update)             detokenize, stop strings, RequestOutputs
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sluice.config import EngineConfig, resolve_dtype
+from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.scheduler import Scheduler
+from sluice.engine.output_processor import OutputProcessor
+from sluice.models.loader import iter_weights, load_hf_config, resolve_model
+from sluice.models.registry import build_model
+from sluice.outputs import RequestOutput
+from sluice.request import Request, RequestStatus
+from sluice.sampling_params import SamplingParams
+from sluice.tokenizer import Tokenizer
+from sluice.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc = config.model
+        self.device = torch.device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, mc.device)
+        t0 = time.perf_counter()
+        src = resolve_model(mc.model)
+        hf_config = load_hf_config(src)
+        with torch.device(self.device):
+            model = build_model(hf_config).to(self.dtype)
+        model.load_weights(iter_weights(src, self.dtype))
+        model.eval()
+        self.tokenizer = Tokenizer.load(src, hf_config)
+        self.model_path = src.path
+        arch = model.arch
+        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        logger.info("loaded %s (%s) in %.1fs", src.path, self.dtype, time.perf_counter() - t0)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # -- requests -------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> list[int]:
+        """Queue a request (n samples of it). Raises ValueError if it can never run.
+        Returns the prompt's token ids."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        else:
+            text, ids = None, list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        max_tokens = self._check_fits(len(ids), params)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # Independent samples: each child gets its own seed derived from the request's.
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, ids, child_params, self.tokenizer.eos_token_ids,
+                                    max_tokens, arrival_time))
+        self.outputs.add(request_id, text, ids, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return ids
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {limit}: "
+                             f"{prompt_len - limit + 1} tokens too long (at least one must be generated)")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                             f"{prompt_len + max_tokens} exceeds max_model_len {limit} by "
+                             f"{prompt_len + max_tokens - limit}")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if prompt_len + max_tokens > capacity:
+            if params.max_tokens is None and prompt_len < capacity:
+                return capacity - prompt_len
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                             f"{prompt_len + max_tokens} can never fit the KV cache of {capacity} "
+                             f"tokens ({self.kv.num_blocks} blocks): over by {prompt_len + max_tokens - capacity}")
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at any point; its blocks are free when this returns."""
+        aborted = []
+        for cid in self.outputs.children_of(request_id):
+            req = self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                aborted.append(req)
+        self.outputs.mark_aborted(aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.outputs.has_pending()
+
+    # -- one step -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        update = self.scheduler.update(plan, result)
+        return self.outputs.process(update)

@@ -1,0 +1,125 @@
+"""OutputProcessor: detokenizes new tokens, finds stop strings, builds RequestOutputs.
+
+Stop strings need text, so they are found here; a request that hits one is ended in the
+scheduler the same step (its blocks are freed before the next step). While a request
+runs, the last len(longest stop) - 1 characters are held back, so a stop string that is
+still forming is never shown to a streaming client.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.core.scheduler import Scheduler, StepUpdate
+from sluice.outputs import CompletionOutput, RequestOutput
+from sluice.request import Request, RequestStatus
+from sluice.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _SampleState:
+    index: int
+    parent_id: str
+    detok: IncrementalDetokenizer
+    text: str = ""
+    holdback: int = 0
+    request: Request | None = None
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    finished_children: set[str] = field(default_factory=set)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.samples: dict[str, _SampleState] = {}
+        self.parents: dict[str, _ParentState] = {}
+        self._aborted: list[Request] = []
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            children: list[Request]) -> None:
+        self.parents[request_id] = _ParentState(request_id, prompt, prompt_token_ids,
+                                                [c.request_id for c in children])
+        for i, child in enumerate(children):
+            holdback = max((len(s) for s in child.params.stop), default=1) - 1
+            self.samples[child.request_id] = _SampleState(
+                i, request_id, IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+                holdback=holdback, request=child)
+
+    def children_of(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.child_ids) if parent else []
+
+    def has_pending(self) -> bool:
+        return bool(self._aborted)
+
+    def mark_aborted(self, requests: list[Request]) -> None:
+        self._aborted.extend(requests)
+
+    def process(self, update: StepUpdate) -> list[RequestOutput]:
+        touched: dict[str, None] = {}
+        for req in update.with_new_token:
+            state = self.samples[req.request_id]
+            self._detokenize(req, state)
+            touched[state.parent_id] = None
+        for req in self._aborted:
+            if req.request_id in self.samples:
+                touched[self.samples[req.request_id].parent_id] = None
+        self._aborted.clear()
+        return [self._make_output(pid) for pid in touched]
+
+    def _detokenize(self, req: Request, state: _SampleState) -> None:
+        token = req.output_token_ids[-1]
+        old_len = len(state.text)
+        # A stop token (EOS or a stop id) ends the text; it is in token_ids but not shown.
+        stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
+        if not stopped_by_token:
+            state.text += state.detok.add(token)
+        if req.is_finished():
+            state.text += state.detok.flush() if not stopped_by_token else ""
+        if req.logprobs:
+            for tid, lp in req.logprobs[-1].items():
+                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+        stops = req.params.stop
+        if stops and req.status is not RequestStatus.FINISHED_STOPPED:
+            # A new match must end in the new text, so it starts at most len(stop) - 1 before it.
+            search_from = max(0, old_len - max(len(s) for s in stops) + 1)
+            hit = None
+            for s in stops:
+                pos = state.text.find(s, search_from)
+                if pos != -1 and (hit is None or pos < hit[0]):
+                    hit = (pos, s)
+            if hit is not None:
+                state.text = state.text[:hit[0]]
+                req.stop_reason = hit[1]
+                if req.is_finished():
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _make_output(self, parent_id: str) -> RequestOutput:
+        parent = self.parents[parent_id]
+        outputs = []
+        for cid in parent.child_ids:
+            s = self.samples[cid]
+            req = s.request
+            text = s.text
+            if not req.is_finished() and s.holdback:
+                text = text[:max(0, len(text) - s.holdback)]
+            outputs.append(CompletionOutput(
+                index=s.index, text=text, token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None))
+        finished = all(o.finished for o in outputs)
+        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished)
+        if finished:
+            for cid in parent.child_ids:
+                self.samples.pop(cid, None)
+            self.parents.pop(parent_id, None)
+        return out

@@ -1,0 +1,74 @@
+"""Offline API: LLM(model=...).generate(prompts, params) and LLM.chat(messages, params)."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from sluice.config import DEFAULT_MODEL
+from sluice.engine.llm_engine import LLMEngine
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate for many prompts at once; they share the engine's continuous batch."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_kwargs):
+        self.engine = LLMEngine.from_kwargs(model=model, dtype=dtype, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate the reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params] * len(prompts)
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                order[rid] = i
+        except ValueError:
+            for rid in order:
+                self.engine.abort(rid)
+            self._drain()
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        show = use_tqdm if use_tqdm is not None else len(prompts) > 8
+        with tqdm(total=len(prompts), desc="generating", disable=not show) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        return results
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()

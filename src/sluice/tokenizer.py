@@ -1,0 +1,96 @@
+"""Tokenizer, chat template and incremental detokenizer.
+
+The tokenizer comes from transformers (a folder's tokenizer files, or the vocabulary in a
+GGUF's metadata); the chat template is rendered by transformers in a jinja2 sandbox.
+"""
+from __future__ import annotations
+
+import json
+
+from sluice.models.loader import ModelSource, read_gguf_chat_template
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: set[int]):
+        self.hf = hf_tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def load(cls, src: ModelSource, hf_config) -> "Tokenizer":
+        from transformers import AutoTokenizer
+        if src.is_gguf:
+            tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
+            if not getattr(tok, "chat_template", None):
+                tok.chat_template = read_gguf_chat_template(src.path)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(src.path))
+        eos: set[int] = set()
+        for source in (tok.eos_token_id, getattr(hf_config, "eos_token_id", None),
+                       _generation_config_eos(src)):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, (list, tuple)):
+                eos.update(int(t) for t in source)
+        return cls(tok, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        return self.hf.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The rendered template already holds its special tokens (BOS included, if any).
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _generation_config_eos(src: ModelSource):
+    path = src.folder / "generation_config.json"
+    if src.is_gguf or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("eos_token_id")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one token at a time.
+
+    Decoding single tokens is wrong for byte-level BPE (a multi-byte UTF-8 character can
+    span tokens) and for SentencePiece (leading spaces depend on context), so each step
+    decodes a short window [prefix_offset:] and emits only what extends the text of
+    [prefix_offset:read_offset]. A window ending in U+FFFD is an incomplete character: wait.
+    """
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+        self.tok = tokenizer
+        self.ids = list(prompt_token_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (a truly invalid byte sequence)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""

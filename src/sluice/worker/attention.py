@@ -1,0 +1,73 @@
+"""Paged attention on CPU/GPU with torch ops.
+
+New K/V are written into the per-layer cache through `slot_mapping`; past K/V are read
+only through block tables. Decode tokens (one query each) are batched into a single
+scaled_dot_product_attention call over their gathered blocks; each prefill chunk runs
+its own call with a causal mask offset by the tokens it already has in the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int        # rows [token_start, token_end) of the flat batch
+    token_end: int
+    start_pos: int          # tokens of this request already in the cache
+    seq_len: int            # context length after this step
+    block_ids: torch.Tensor  # [num_blocks]
+    mask: torch.Tensor | None  # [q, seq_len] bool, None when plain causal from 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat-batch attention record, built by the runner and passed explicitly."""
+    slot_mapping: torch.Tensor          # [T] cache slot of each new token
+    query_start_loc: torch.Tensor       # [B+1] offsets of each request in the flat batch
+    seq_lens: torch.Tensor              # [B] context length of each request after this step
+    block_tables: torch.Tensor          # [B, max_blocks], padded with 0
+    # Decodes (one query token each), batched.
+    decode_token_idx: torch.Tensor | None   # [Bd] rows of the flat batch
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks]
+    decode_mask: torch.Tensor | None        # [Bd, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache: [num_blocks, block_size, Hkv, D]; k: [T, Hkv, D]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's cached K/V."""
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if meta.decode_token_idx is not None:
+        bt = meta.decode_block_tables
+        qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)            # [Bd, Hq, 1, D]
+        kd = k_cache[bt].view(bt.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache[bt].view(bt.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                            scale=scale, enable_gqa=True)
+        out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+    for p in meta.prefills:
+        qp = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)       # [1, Hq, q, D]
+        kp = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[:p.seq_len]
+        vp = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[:p.seq_len]
+        kp = kp.transpose(0, 1).unsqueeze(0)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        if p.mask is None:
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                                enable_gqa=True)
+        else:
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale,
+                                                enable_gqa=True)
+        out[p.token_start:p.token_end] = op.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,179 @@
+"""ModelRunner: owns the model and the paged KV tensors; turns a StepPlan into one flat
+forward pass, computes logits only where a token is due, and samples."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sluice.config import CacheConfig
+from sluice.core.scheduler import SampledToken, ScheduledRequest, StepPlan, StepResult
+from sluice.worker.attention import AttentionMetadata, PrefillChunk
+from sluice.worker.sampler import Sampler, SamplingMetadata, seeded_generator
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int):
+        self.model = model
+        self.arch = model.arch
+        self.dtype = dtype
+        self.device = device
+        self.block_size = cache.block_size
+        per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
+        shape = (self.num_blocks, cache.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(self.arch.num_layers)]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
+                    cache.block_size, self.num_blocks * per_block / 2**30)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.vocab_size = self.arch.vocab_size
+        self.last_step_seconds = 0.0
+
+    # -- inputs ---------------------------------------------------------------
+    def _prepare(self, plan: StepPlan):
+        bs, dev = self.block_size, self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_reqs: list[int] = []
+        prefills: list[PrefillChunk] = []
+        max_blocks = max(len(e.block_ids) for e in plan.scheduled)
+        block_tables = torch.zeros((len(plan.scheduled), max_blocks), dtype=torch.long)
+        for i, e in enumerate(plan.scheduled):
+            q = len(e.token_ids)
+            start, end = query_start[-1], query_start[-1] + q
+            input_ids.extend(e.token_ids)
+            pos = range(e.start_pos, e.start_pos + q)
+            positions.extend(pos)
+            blocks = e.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            query_start.append(end)
+            seq_len = e.start_pos + q
+            seq_lens.append(seq_len)
+            block_tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            if e.needs_logits:
+                logits_rows.append(end - 1)
+            if q == 1:
+                decode_rows.append(start)
+                decode_reqs.append(i)
+            else:
+                mask = None
+                if e.start_pos > 0:
+                    # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
+                    qpos = torch.arange(e.start_pos, seq_len)[:, None]
+                    mask = (torch.arange(seq_len)[None, :] <= qpos).to(dev)
+                n_blocks = -(-seq_len // bs)
+                prefills.append(PrefillChunk(start, end, e.start_pos, seq_len,
+                                             torch.tensor(blocks[:n_blocks], device=dev), mask))
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
+        decode_idx = decode_bt = decode_mask = None
+        if decode_rows:
+            sel = torch.tensor(decode_reqs, dtype=torch.long)
+            d_lens = seq_lens_t[sel]
+            n_blocks = int(-(-int(d_lens.max()) // bs))
+            decode_bt = block_tables[sel, :n_blocks].to(dev)
+            decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[:, None, None, :].to(dev)
+            decode_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
+            seq_lens=seq_lens_t.to(dev),
+            block_tables=block_tables.to(dev),
+            decode_token_idx=decode_idx,
+            decode_block_tables=decode_bt,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
+
+    def _sampling_metadata(self, entries: list[ScheduledRequest]) -> SamplingMetadata:
+        dev, V = self.device, self.vocab_size
+        params = [e.params for e in entries]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        any_top_p = any(p.top_p < 1.0 for p in params)
+        any_top_k = any(p.top_k != -1 for p in params)
+        any_min_p = any(p.min_p > 0 for p in params)
+        any_pen = any(p.has_penalties for p in params)
+        counts = prompt_mask = rep = pres = freq = None
+        if any_pen:
+            counts = torch.zeros((len(entries), V), dtype=torch.float32, device=dev)
+            prompt_mask = torch.zeros((len(entries), V), dtype=torch.bool, device=dev)
+            for i, e in enumerate(entries):
+                if e.output_token_ids:
+                    out = torch.tensor(e.output_token_ids, dtype=torch.long, device=dev)
+                    counts[i].scatter_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                prompt_mask[i, torch.tensor(e.prompt_token_ids, dtype=torch.long, device=dev)] = True
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)
+        banned_rows, banned_ids = [], []
+        for i, e in enumerate(entries):
+            for t in e.banned_token_ids:
+                if t < V:
+                    banned_rows.append(i)
+                    banned_ids.append(t)
+        banned = None
+        if banned_rows:
+            banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
+        generators = [
+            seeded_generator(p.seed, len(e.prompt_token_ids) + len(e.output_token_ids), dev)
+            if p.seed is not None and p.temperature > 0 else None
+            for p, e in zip(params, entries)
+        ]
+        return SamplingMetadata(
+            temperature=temperature,
+            all_greedy=all(p.temperature == 0 for p in params),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev) if any_top_p else None,
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else V for p in params], dtype=torch.long,
+                               device=dev) if any_top_k else None,
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) if any_min_p else None,
+            repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+            output_counts=counts, prompt_mask=prompt_mask, banned=banned,
+            generators=generators,
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+
+    # -- one step -------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.is_empty:
+            return StepResult({})
+        t0 = time.perf_counter()
+        input_ids, positions, meta, logits_rows = self._prepare(plan)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        entries = [e for e in plan.scheduled if e.needs_logits]
+        sampled: dict[str, SampledToken] = {}
+        if entries:
+            logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+            out = self.sampler(logits, self._sampling_metadata(entries))
+            # The one host sync of the step.
+            token_ids = out.token_ids.tolist()
+            if out.logprobs is not None:
+                lp_ids, lps, ranks = out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+            for i, e in enumerate(entries):
+                lp = None
+                if e.params.logprobs is not None:
+                    k = e.params.logprobs
+                    top = [(lp_ids[i][j], lps[i][j], j) for j in range(1, k + 1)]
+                    lp = [(token_ids[i], lps[i][0], ranks[i])] + top
+                sampled[e.request_id] = SampledToken(token_ids[i], lp)
+        self.last_step_seconds = time.perf_counter() - t0
+        return StepResult(sampled)

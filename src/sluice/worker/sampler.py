@@ -1,0 +1,129 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+Every transform is one tensor op over the whole [batch, vocab] logits; the only per-row
+Python work is drawing noise for rows with their own seed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """A generator fixed by (seed, position): a request's draw for a token depends on
+    nothing else — not on its neighbours in the batch, nor on preemption."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * _SEED_MIX + position) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor          # [B] float; 0 for greedy rows
+    all_greedy: bool
+    top_p: torch.Tensor | None         # [B] or None when no row uses it
+    top_k: torch.Tensor | None         # [B] long (vocab size = off) or None
+    min_p: torch.Tensor | None         # [B] or None
+    repetition_penalty: torch.Tensor | None  # [B] or None when no row uses penalties
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [B, V] occurrences of each token in the output
+    prompt_mask: torch.Tensor | None    # [B, V] token occurs in the prompt
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
+    generators: list[torch.Generator | None]  # per row; None draws from the shared stream
+    max_num_logprobs: int               # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor             # [B]
+    logprob_ids: torch.Tensor | None    # [B, 1 + k]: chosen token, then top-k
+    logprobs: torch.Tensor | None       # [B, 1 + k]
+    ranks: torch.Tensor | None          # [B] rank of the chosen token
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        # Logprobs describe the model's own distribution, before any sampling transform.
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+        if meta.banned is not None:
+            logits[meta.banned] = float("-inf")
+        if meta.repetition_penalty is not None:
+            logits = apply_penalties(logits, meta)
+        if meta.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        chosen = raw_logprobs.gather(1, token_ids[:, None])
+        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+        k = meta.max_num_logprobs
+        if k > 0:
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+            lps = torch.cat([chosen, top_lp], dim=1)
+        else:
+            ids, lps = token_ids[:, None], chosen
+        return SamplerOutput(token_ids, ids, lps, ranks)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_rows = meta.temperature == 0
+        greedy_ids = logits.argmax(dim=-1)
+        temp = torch.where(greedy_rows, torch.ones_like(meta.temperature), meta.temperature)
+        logits = logits / temp[:, None]
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            floor = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # Exponential race (Gumbel-max in another form): argmax(p / E), E ~ Exp(1),
+        # samples from p without normalising and without a host sync.
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(meta.generators) if g is None]
+        if shared:
+            noise[shared] = noise[shared].exponential_(generator=self.generator)
+        for i, g in enumerate(meta.generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_rows, greedy_ids, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    counts, prompt_mask = meta.output_counts, meta.prompt_mask
+    seen = (counts > 0) | prompt_mask
+    rep = meta.repetition_penalty[:, None].expand_as(logits)
+    # Repetition (CTRL / Hugging Face): shrink seen tokens' logits towards less likely.
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    # Presence and frequency (OpenAI): subtract per output token occurrence.
+    logits = logits - meta.frequency_penalty[:, None] * counts
+    logits = logits - meta.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        # Ascending order: everything before position V - k is outside the top k.
+        cutoff = (vocab - top_k).clamp(min=0)[:, None]
+        positions = torch.arange(vocab, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(positions < cutoff, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = probs.cumsum(dim=-1)
+        drop = cum <= (1 - top_p)[:, None]
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
