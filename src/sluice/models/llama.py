@@ -43,9 +43,11 @@ class LlamaArch:
         # transformers >= 5 keeps theta and scaling in rope_parameters; older in rope_theta/rope_scaling.
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", "default") != "default" else getattr(cfg, "rope_scaling", None)
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "llama3"):
+        scaling = rope or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope scaling {scaling}")
+        scaling = scaling if rope_type == "llama3" else None
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
             vocab_size=cfg.vocab_size,

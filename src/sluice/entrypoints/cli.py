@@ -1,0 +1,148 @@
+"""Command line: `sluice generate "prompt"` and `sluice chat` (interactive, streaming)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+
+from sluice.config import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model alias, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and KV cache dtype; auto = bfloat16 where the CPU has avx512_bf16")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (default 2048)")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate at most (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args):
+    from sluice.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def stream(engine, request_id: str, prompt, params, out=sys.stdout) -> str:
+    """Run one request to the end, printing text as it is produced."""
+    engine.add_request(request_id, prompt, params)
+    shown = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id != request_id:
+                continue
+            text = o.outputs[0].text
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+    out.write("\n")
+    return text
+
+
+def cmd_generate(args) -> int:
+    from sluice.engine.llm_engine import LLMEngine
+    params = sampling_params(args)  # bad flags fail before the model loads
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    if args.chat_template:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    stream(engine, "generate", prompt, params)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from sluice.engine.llm_engine import LLMEngine
+    params = sampling_params(args)  # bad flags fail before the model loads
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("sluice chat: type a message, Ctrl-D or /exit to quit, /reset to clear the conversation.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.encode_chat(messages)
+        try:
+            reply = stream(engine, f"chat-{uuid.uuid4().hex}", prompt, params)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="LLM inference with continuous batching")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                     help="send the prompt as raw text instead of as a user chat message")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=256)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Our model and loaders against transformers as the reference, in float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+from tests.conftest import assert_all_blocks_free
+
+PROMPTS = [
+    "Hello",
+    "The history of the Roman Empire begins with",
+    "In a small village by the sea, there lived an old fisherman who every morning walked to the "
+    "harbour, checked his nets and talked to the gulls about the weather and the price of fish.",
+]
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int):
+    """Reference greedy decoding, recomputing the whole sequence each step: tokens and logprobs."""
+    ids, logprobs = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            ids.append(int(lp.argmax()))
+            logprobs.append(lp)
+    return ids[len(prompt_ids):], logprobs
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3"])
+def test_tiny_checkpoint_matches_transformers(kind, tiny_checkpoint):
+    """Greedy tokens identical and logprobs within fp32 tolerance, three prompts in one batch."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_checkpoint(kind)
+    ref = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    n = 24
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        ref_tokens, ref_lps = hf_greedy(ref, ids, n)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"{kind}: {prompt!r}"
+        for step, (lp_dict, ref_lp) in enumerate(zip(got.logprobs, ref_lps)):
+            for tid, lp in lp_dict.items():
+                assert abs(lp.logprob - float(ref_lp[tid])) < 2e-4, (kind, step, tid)
+            assert lp_dict[got.token_ids[step]].rank == 1
+    assert_all_blocks_free(llm)
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_source, smollm2_llm):
+    """The default GGUF: our loader + model vs transformers loading the same file, 32 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_source.folder), gguf_file=smollm2_source.path.name,
+                                               torch_dtype=torch.float32).eval()
+    n = 32
+    chat = smollm2_llm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    prompts = PROMPTS + [chat]
+    outs = smollm2_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = out.prompt_token_ids
+        ref_tokens, _ = hf_greedy(ref, ids, n)
+        assert out.outputs[0].token_ids == ref_tokens, f"{prompt!r}"
+    assert "Paris" in outs[-1].outputs[0].text
+    assert_all_blocks_free(smollm2_llm)
