@@ -1,0 +1,22 @@
+"""The README's promise: `sluice generate` answers a question with the default model."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_generate_on_default_model_answers_paris():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "sluice.entrypoints.cli", "generate", "What is the capital of France?",
+           "--max-tokens", "24", "--kv-cache-memory", "0.1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_bad_flag_fails_fast_with_a_clear_error():
+    cmd = [sys.executable, "-m", "sluice.entrypoints.cli", "generate", "hi", "--top-p", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "top_p must be in (0, 1]" in out.stderr

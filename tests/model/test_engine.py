@@ -1,0 +1,242 @@
+"""The engine end to end on a tiny random Llama: chunking, preemption, sampling controls,
+stops, aborts and errors — each compared with the plain path or checked exactly."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sluice import LLM, SamplingParams
+from tests.conftest import assert_all_blocks_free
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def prompts_of_lengths(tokenizer, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 40000) for _ in range(n)] for n in lengths]
+
+
+def record_plans(llm):
+    """Observe the plans the real scheduler hands to the real runner."""
+    plans = []
+    execute = llm.engine.runner.execute
+
+    def recording(plan):
+        plans.append(plan)
+        return execute(plan)
+    llm.engine.runner.execute = recording
+    return plans
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llm):
+    """Greedy outputs of the plain path (big budget, roomy cache)."""
+    prompts = prompts_of_lengths(tiny_llm.tokenizer, [5, 17, 40, 63, 100, 9])
+    outs = tiny_llm.generate(prompts, SamplingParams(max_tokens=30, **GREEDY))
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, reference):
+    """A budget of 16 tokens per step splits prompts into chunks that share steps with decodes."""
+    prompts, expected = reference
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=256,
+              max_num_batched_tokens=16)
+    plans = record_plans(llm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(p.num_batched_tokens <= 16 for p in plans)
+    chunked = [e for p in plans for e in p.scheduled if len(e.token_ids) > 1 and not e.needs_logits]
+    assert chunked, "no prompt was split into chunks"
+    mixed = [p for p in plans if any(len(e.token_ids) == 1 for e in p.scheduled)
+             and any(len(e.token_ids) > 1 for e in p.scheduled)]
+    assert mixed, "no step carried decodes and a prefill chunk together"
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(tiny_checkpoint, reference):
+    """A cache far too small for the batch forces preemptions; greedy output is unchanged."""
+    prompts, expected = reference
+    # 100 + 30 tokens need 9 blocks of 16: the largest request alone uses most of the cache.
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=10)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
+def test_continuous_batching_interleaves_requests(tiny_llm):
+    """Requests join and leave between steps: a late request runs beside earlier ones."""
+    engine = tiny_llm.engine
+    plans = record_plans(tiny_llm)
+    engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("late", [8, 9], SamplingParams(max_tokens=5, **GREEDY))
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    del engine.runner.execute  # back to the class method
+    ids = [{e.request_id for e in p.scheduled} for p in plans]
+    assert ids[3] == {"long", "late"}          # joined at the next step
+    assert ids[8] == {"long"}                  # left after its 5 tokens
+    assert len(done["long"].outputs[0].token_ids) == 20
+    assert len(done["late"].outputs[0].token_ids) == 5
+    assert_all_blocks_free(tiny_llm)
+
+
+def test_seeded_sampling_repeats_whatever_else_runs(tiny_llm):
+    """The same seed gives the same tokens alone and among random neighbours; another seed differs."""
+    prompt = [11, 12, 13, 14]
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = tiny_llm.generate([prompt], p)[0].outputs[0].token_ids
+    neighbours = prompts_of_lengths(tiny_llm.tokenizer, [3, 30, 7], seed=5)
+    crowd = tiny_llm.generate(neighbours[:2] + [prompt] + neighbours[2:],
+                              [SamplingParams(temperature=1.0, max_tokens=10)] * 2 + [p]
+                              + [SamplingParams(temperature=0.7, seed=9, max_tokens=40)])
+    assert crowd[2].outputs[0].token_ids == alone
+    other = tiny_llm.generate([prompt], p.clone(seed=4321))[0].outputs[0].token_ids
+    assert other != alone
+    assert_all_blocks_free(tiny_llm)
+
+
+def test_n_samples_are_independent(tiny_llm):
+    """n=3 returns three completions, indexed, from one request."""
+    out = tiny_llm.generate([[20, 21, 22]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12,
+                                                           ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    assert out.num_completion_tokens == 36
+    assert_all_blocks_free(tiny_llm)
+
+
+def test_top_k_one_is_greedy(tiny_llm, reference):
+    prompts, expected = reference
+    out = tiny_llm.generate([prompts[1]], SamplingParams(temperature=1.5, top_k=1, max_tokens=30,
+                                                         ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == expected[1]
+
+
+def test_stop_string_across_token_boundary(tiny_llm):
+    """A stop string made of the end of one token and the start of the next ends the text
+    before it; while streaming, no partial stop string is ever shown."""
+    tok = tiny_llm.tokenizer
+    prompt = [30, 31, 32, 33]
+    full = tiny_llm.generate([prompt], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0]
+    pieces = [tok.decode(full.token_ids[:i + 1]) for i in range(len(full.token_ids))]
+    # Find a boundary after token i where both sides contribute at least two characters.
+    for i in range(3, len(pieces) - 1):
+        left, right = pieces[i], pieces[i + 1]
+        a, b = left[len(pieces[i - 1]):], right[len(left):]
+        if len(a.strip()) >= 2 and len(b.strip()) >= 2 and right.startswith(left):
+            stop = a[-2:] + b[:2]
+            break
+    else:
+        pytest.skip("no suitable token boundary in this output")
+    expected = full.text[:full.text.index(stop)]
+    engine = tiny_llm.engine
+    engine.add_request("stop", prompt, SamplingParams(max_tokens=40, stop=[stop], **GREEDY))
+    seen = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen.append(o.outputs[0])
+    final = seen[-1]
+    assert final.text == expected
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert all(expected.startswith(s.text) for s in seen)
+    assert_all_blocks_free(tiny_llm)
+
+
+def test_stop_token_ids_min_tokens_and_eos(tiny_llm):
+    prompt = [40, 41, 42]
+    full = tiny_llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0].token_ids
+    stop_id = full[4]
+    first = full.index(stop_id)
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop_id], **GREEDY))[0]
+    assert out.outputs[0].token_ids == full[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    # The first token as a stop id, but min_tokens=3 bans it for the first three tokens.
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[full[0]],
+                                                     min_tokens=3, **GREEDY))[0].outputs[0]
+    assert len(out.token_ids) >= 3 and full[0] not in out.token_ids[:3]
+    # EOS ends generation unless ignore_eos; here token full[0] plays EOS.
+    engine = tiny_llm.engine
+    eos_before = engine.tokenizer.eos_token_ids
+    engine.tokenizer.eos_token_ids = {full[0]}
+    try:
+        out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    finally:
+        engine.tokenizer.eos_token_ids = eos_before
+    assert out.token_ids == [full[0]] and out.finish_reason == "stop" and out.text == ""
+    assert_all_blocks_free(tiny_llm)
+
+
+def test_logprobs_chosen_plus_top_n(tiny_llm):
+    out = tiny_llm.generate([[50, 51]], SamplingParams(max_tokens=6, logprobs=3, **GREEDY))[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for tid, entry in zip(out.token_ids, out.logprobs):
+        assert tid in entry and entry[tid].rank == 1
+        assert len(entry) == 3
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == [1, 2, 3]
+        assert all(lp.logprob <= 0 and lp.decoded_token is not None for lp in entry.values())
+
+
+def test_max_tokens_length_and_usage(tiny_llm):
+    out = tiny_llm.generate([[60, 61, 62, 63]], SamplingParams(max_tokens=7, **GREEDY))[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert out.num_prompt_tokens == 4 and out.num_completion_tokens == 7
+
+
+def test_abort_frees_everything_and_others_continue(tiny_llm):
+    engine = tiny_llm.engine
+    p = SamplingParams(max_tokens=30, **GREEDY)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [70, 71, 72], p)
+    engine.step()
+    engine.step()
+    engine.abort("b")              # running
+    engine.add_request("d", [73, 74], p)
+    engine.abort("d")              # still waiting
+    finals = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o
+    assert finals["b"].outputs[0].finish_reason == "abort"
+    assert finals["d"].outputs[0].finish_reason == "abort"
+    assert finals["a"].outputs[0].token_ids == finals["c"].outputs[0].token_ids
+    assert len(finals["a"].outputs[0].token_ids) == 30
+    assert_all_blocks_free(tiny_llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(temprature=0.5), "temprature"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_rejected_and_nothing_leaks(tiny_llm):
+    engine = tiny_llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([""])
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_llm.generate([[5] * 500], SamplingParams(max_tokens=100))  # 600 > 512
+    with pytest.raises(ValueError, match="too long"):
+        tiny_llm.generate([[5] * 512])
+    small = LLM(model=str(engine.model_path), dtype="float32", num_blocks=4)
+    with pytest.raises(ValueError, match="KV cache of 64 tokens"):
+        small.generate([[5] * 60], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="token ids"):
+        tiny_llm.generate([[5, 10**9]])
+    # A bad prompt in a batch rejects the batch cleanly; the engine keeps working.
+    with pytest.raises(ValueError):
+        tiny_llm.generate([[5, 6], ""])
+    assert_all_blocks_free(tiny_llm)
+    assert tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"

@@ -1,0 +1,124 @@
+"""The batched sampler against simple per-row reference computations."""
+from __future__ import annotations
+
+import torch
+
+from sluice.sampling_params import SamplingParams
+from sluice.worker.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p, seeded_generator
+
+V = 50
+
+
+def meta_for(params: list[SamplingParams], **overrides) -> SamplingMetadata:
+    B = len(params)
+    m = SamplingMetadata(
+        temperature=torch.tensor([p.temperature for p in params]),
+        all_greedy=all(p.temperature == 0 for p in params),
+        top_p=torch.tensor([p.top_p for p in params]), top_k=torch.tensor([p.top_k if p.top_k > 0 else V for p in params]),
+        min_p=torch.tensor([p.min_p for p in params]),
+        repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        output_counts=None, prompt_mask=None, banned=None, generators=[None] * B, max_num_logprobs=-1)
+    for k, v in overrides.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_penalties_match_per_row_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V) * 3
+    prompts = [[1, 2, 3], [4], [5, 5, 6]]
+    outputs = [[1, 7, 7, 7], [], [6, 8]]
+    rep, pres, freq = [1.3, 1.0, 0.7], [0.5, 1.0, 0.0], [0.2, 0.0, -0.5]
+    counts = torch.zeros(3, V)
+    mask = torch.zeros(3, V, dtype=torch.bool)
+    for i in range(3):
+        for t in outputs[i]:
+            counts[i, t] += 1
+        mask[i, prompts[i]] = True
+    m = meta_for([SamplingParams()] * 3, repetition_penalty=torch.tensor(rep), presence_penalty=torch.tensor(pres),
+                 frequency_penalty=torch.tensor(freq), output_counts=counts, prompt_mask=mask)
+    got = apply_penalties(logits.clone(), m)
+    ref = logits.clone()
+    for i in range(3):
+        for t in set(prompts[i]) | set(outputs[i]):
+            ref[i, t] = ref[i, t] / rep[i] if ref[i, t] > 0 else ref[i, t] * rep[i]
+        for t in set(outputs[i]):
+            ref[i, t] -= freq[i] * outputs[i].count(t) + pres[i]
+    torch.testing.assert_close(got, ref)
+
+
+def test_top_k_top_p_keep_exactly_the_allowed_tokens():
+    torch.manual_seed(1)
+    logits = torch.randn(2, V)
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([5, V]), torch.tensor([1.0, 0.6]))
+    kept0 = set(torch.nonzero(out[0] > float("-inf")).flatten().tolist())
+    assert kept0 == set(logits[0].topk(5).indices.tolist())
+    probs = torch.softmax(logits[1], -1)
+    order = probs.argsort(descending=True)
+    cum, allowed = 0.0, set()
+    for t in order.tolist():          # smallest set whose mass reaches 0.6
+        allowed.add(t)
+        cum += float(probs[t])
+        if cum >= 0.6:
+            break
+    kept1 = set(torch.nonzero(out[1] > float("-inf")).flatten().tolist())
+    assert kept1 == allowed
+
+
+def test_greedy_rows_are_argmax_and_samples_stay_in_top_k():
+    torch.manual_seed(2)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.5, min_p=0.5), SamplingParams(temperature=2.0, top_p=0.3)]
+    allowed_k = set(logits[1].topk(3).indices.tolist())
+    probs2 = torch.softmax(logits[2] / 0.5, -1)
+    allowed_minp = set(torch.nonzero(probs2 >= 0.5 * probs2.max()).flatten().tolist())
+    for _ in range(50):
+        ids = sampler(logits.clone(), meta_for(params)).token_ids.tolist()
+        assert ids[0] == int(logits[0].argmax())
+        assert ids[1] in allowed_k
+        assert ids[2] in allowed_minp
+
+
+def test_sampling_follows_the_distribution():
+    """10k draws from softmax(logits / T) land within a few percent of the true probabilities."""
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(10000, 1)
+    params = [SamplingParams(temperature=0.8)] * 10000
+    m = meta_for(params)
+    m.top_k = m.top_p = m.min_p = None
+    ids = sampler(logits, m).token_ids
+    freq = torch.bincount(ids, minlength=4).float() / 10000
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.8, -1), atol=0.02, rtol=0)
+
+
+def test_seeded_rows_depend_only_on_seed_and_position():
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=1.0)] * 3
+    m = meta_for(params)
+    m.top_k = m.top_p = m.min_p = None
+    m.generators = [None, seeded_generator(42, 10, torch.device("cpu")), None]
+    a = sampler(logits.clone(), m).token_ids[1]
+    draws = set()
+    for other in range(20):
+        m2 = meta_for([params[0]] * 2)
+        m2.top_k = m2.top_p = m2.min_p = None
+        m2.generators = [None, seeded_generator(42, 10, torch.device("cpu"))]
+        draws.add(int(sampler(torch.stack([torch.randn(V), logits[1]]), m2).token_ids[1]))
+    assert draws == {int(a)}
+
+
+def test_logprobs_and_ranks():
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    m = meta_for([SamplingParams(temperature=0)], max_num_logprobs=2)
+    m.top_k = m.top_p = m.min_p = None
+    out = sampler(logits, m)
+    lp = torch.log_softmax(logits, -1)[0]
+    assert out.token_ids.tolist() == [1]
+    assert out.logprob_ids.tolist() == [[1, 1, 3]]
+    torch.testing.assert_close(out.logprobs[0], lp[[1, 1, 3]])
+    assert out.ranks.tolist() == [1]
