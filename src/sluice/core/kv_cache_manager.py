@@ -41,15 +41,15 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int) -> KVAllocation | None:
         """Room for the request's next num_new_tokens tokens, or None if the pool cannot
         supply it now (nothing is taken in that case)."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        held = self.req_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks)
+        need = self.blocks_needed(total) - len(held)
         if need <= 0:
             return KVAllocation(())
         if need > self.pool.num_free_blocks:
             return None
         new = self.pool.allocate(need)
-        blocks.extend(new)
+        self.req_blocks.setdefault(request.request_id, []).extend(new)
         return KVAllocation(tuple(b.block_id for b in new))
 
     def block_ids(self, request_id: str) -> list[int]:

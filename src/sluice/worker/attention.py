@@ -1,9 +1,9 @@
 """Paged attention on CPU/GPU with torch ops.
 
 New K/V are written into the per-layer cache through `slot_mapping`; past K/V are read
-only through block tables. Decode tokens (one query each) are batched into a single
-scaled_dot_product_attention call over their gathered blocks; each prefill chunk runs
-its own call with a causal mask offset by the tokens it already has in the cache.
+only through block tables. Decode tokens (one query each) are batched into two matmuls
+over their gathered blocks; each prefill chunk runs one scaled_dot_product_attention call
+with a causal mask offset by the tokens it already has in the cache.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class AttentionMetadata:
     # Decodes (one query token each), batched.
     decode_token_idx: torch.Tensor | None   # [Bd] rows of the flat batch
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks]
-    decode_mask: torch.Tensor | None        # [Bd, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None        # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
 
 
@@ -50,13 +50,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if meta.decode_token_idx is not None:
+        # Two batched matmuls rather than SDPA: with one query per sequence, the CPU flash
+        # kernel is ~10x slower than this (measured: 0.8 ms vs 10 ms for 32 x 560 tokens).
         bt = meta.decode_block_tables
-        qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)            # [Bd, Hq, 1, D]
-        kd = k_cache[bt].view(bt.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache[bt].view(bt.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                            scale=scale, enable_gqa=True)
-        out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+        bd = bt.shape[0]
+        group = q.shape[1] // num_kv_heads
+        qd = q.index_select(0, meta.decode_token_idx).view(bd, num_kv_heads, group, head_dim)
+        kd = k_cache[bt].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vd = v_cache[bt].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * scale       # [Bd, Hkv, G, L]
+        scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        od = torch.matmul(probs, vd).view(bd, num_kv_heads * group, head_dim)
+        out.index_copy_(0, meta.decode_token_idx, od)
     for p in meta.prefills:
         qp = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)       # [1, Hq, q, D]
         kp = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[:p.seq_len]
