@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := $(PY) -m pip
 STAMP   := .venv/.installed
 
-.PHONY: chat generate test bench install clean
+.PHONY: serve chat test bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Main job (until the server lands): interactive chat with the default model.
+# Main job: the OpenAI-compatible server on the default model, http://127.0.0.1:8000/v1
+serve: $(STAMP)
+	.venv/bin/sluice serve
+
 chat: $(STAMP)
 	.venv/bin/sluice chat
 

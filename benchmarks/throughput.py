@@ -17,15 +17,11 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workload import make_prompts  # noqa: E402
-
-from sluice import LLMEngine, SamplingParams  # noqa: E402
+from sluice import LLMEngine, SamplingParams
+from sluice.bench.workload import make_prompts
 
 
 def run_waves(engine: LLMEngine, waves: list[list[tuple[list[int], int]]]) -> tuple[int, float]:

@@ -21,12 +21,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestTimes:
+    """time.monotonic() stamps of the request (the earliest over its samples)."""
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    times: RequestTimes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,7 @@ class Request:
         # Per output token: {token_id: Logprob} with the chosen token and the top-N.
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
     @property

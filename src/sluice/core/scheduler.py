@@ -10,6 +10,7 @@ front, to be recomputed from its tokens later.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -130,6 +131,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled[req.request_id] = self._plan_entry(req, n)
             budget -= n
@@ -178,6 +181,8 @@ class Scheduler:
                 continue
             sampled = result.sampled[entry.request_id]
             req.output_token_ids.append(sampled.token_id)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             if req.logprobs is not None and sampled.logprobs is not None:
                 req.logprobs.append({tid: Logprob(lp, rank) for tid, lp, rank in sampled.logprobs})
             with_new_token.append(req)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.core.scheduler import Scheduler, StepUpdate
-from sluice.outputs import CompletionOutput, RequestOutput
+from sluice.outputs import CompletionOutput, RequestOutput, RequestTimes
 from sluice.request import Request, RequestStatus
 from sluice.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -117,7 +117,12 @@ class OutputProcessor:
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 logprobs=list(req.logprobs) if req.logprobs is not None else None))
         finished = all(o.finished for o in outputs)
-        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished)
+        reqs = [self.samples[cid].request for cid in parent.child_ids]
+        times = RequestTimes(
+            arrival=min(r.arrival_time for r in reqs),
+            first_scheduled=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
+            first_token=min((r.first_token_time for r in reqs if r.first_token_time), default=None))
+        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished, times)
         if finished:
             for cid in parent.child_ids:
                 self.samples.pop(cid, None)

@@ -1,4 +1,5 @@
-"""Command line: `sluice generate "prompt"` and `sluice chat` (interactive, streaming)."""
+"""Command line: `sluice serve`, `sluice generate "prompt"`, `sluice chat` (interactive,
+streaming) and `sluice bench serve` (load generator for any OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
@@ -113,10 +114,35 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> int:
+    from sluice.entrypoints.openai.api_server import ServerConfig, serve
+    name = args.served_model_name or args.model
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
+                          max_waiting=args.max_waiting)
+    return serve(engine_kwargs(args), config, log_level="info" if args.log_level == "WARNING" else args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference with continuous batching")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send and /v1/models lists (default: --model)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    srv.add_argument("--max-waiting", type=int, default=1024,
+                     help="requests allowed to wait for a seat; more get HTTP 429 + Retry-After (default 1024)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from sluice.bench.serve import add_parser as add_bench_serve
+    add_bench_serve(bench_sub)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")

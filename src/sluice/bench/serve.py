@@ -1,0 +1,219 @@
+"""`sluice bench serve`: load against any OpenAI-compatible server (ours or another engine).
+
+Closed loop (default): for each concurrency c, c clients each send a streaming request,
+wait for it to end, and send the next, until --requests are done. Open loop
+(--request-rate R): requests arrive as a Poisson process of R per second. Prompts are
+windows of real English text from a seeded generator; outputs have a fixed length
+(ignore_eos). Reports output tokens/s, TTFT, TPOT and end-to-end latency percentiles as
+JSON, and plots throughput and latency against concurrency.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float = 0.0
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class RunSummary:
+    concurrency: int | None
+    request_rate: float | None
+    requests: int
+    failed: int
+    duration_s: float
+    output_tok_per_s: float
+    requests_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    errors: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
+                      api_key: str | None) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    t0 = time.perf_counter()
+    ttft, chunks, usage_tokens = None, 0, None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return RequestResult(False, e2e=time.perf_counter() - t0, error=f"HTTP {resp.status_code}: {text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if payload.get("usage"):
+                    usage_tokens = payload["usage"].get("completion_tokens")
+                for choice in payload.get("choices", []):
+                    if choice.get("text"):
+                        chunks += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return RequestResult(False, e2e=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+    return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, ttft, time.perf_counter() - t0)
+
+
+def summarize(results: list[RequestResult], duration: float, concurrency: int | None,
+              rate: float | None) -> RunSummary:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    e2es = [r.e2e for r in ok]
+    return RunSummary(
+        concurrency=concurrency, request_rate=rate, requests=len(results), failed=len(results) - len(ok),
+        duration_s=duration, output_tok_per_s=tokens / duration if duration else 0.0,
+        requests_per_s=len(ok) / duration if duration else 0.0,
+        ttft_p50_s=percentile(ttfts, 0.5), ttft_p99_s=percentile(ttfts, 0.99),
+        tpot_p50_s=percentile(tpots, 0.5), tpot_p99_s=percentile(tpots, 0.99),
+        e2e_p50_s=percentile(e2es, 0.5), e2e_p99_s=percentile(e2es, 0.99),
+        errors=sorted({r.error for r in results if r.error})[:5])
+
+
+async def closed_loop(url, model, prompts, output_len, concurrency, api_key) -> RunSummary:
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def worker():
+            while True:
+                try:
+                    p = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results.append(await one_request(client, url, model, p, output_len, api_key))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        duration = time.perf_counter() - t0
+    return summarize(results, duration, concurrency, None)
+
+
+async def open_loop(url, model, prompts, output_len, rate, seed, api_key) -> RunSummary:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            tasks.append(asyncio.create_task(one_request(client, url, model, p, output_len, api_key)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+    return summarize(results, duration, None, rate)
+
+
+def make_text_prompts(tokenizer_model: str, n: int, input_len: int, seed: int) -> list[str]:
+    from sluice.bench.workload import make_prompts
+    from sluice.models.loader import load_hf_config, resolve_model
+    from sluice.tokenizer import Tokenizer
+    src = resolve_model(tokenizer_model)
+    tok = Tokenizer.load(src, load_hf_config(src))
+    lo, hi = max(1, int(input_len * 0.9)), int(input_len * 1.1) + 1
+    return [tok.decode(ids) for ids in make_prompts(tok, n, lo, hi, seed)]
+
+
+def plot(summaries: list[RunSummary], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [s for s in summaries if s.concurrency is not None]
+    if not runs:
+        return
+    xs = [s.concurrency for s in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(xs, [s.output_tok_per_s for s in runs], marker="o")
+    a.set(xlabel="concurrent clients", ylabel="output tokens/s", title="Throughput", xscale="log")
+    b.plot(xs, [(s.ttft_p50_s or 0) * 1000 for s in runs], marker="o", label="TTFT p50")
+    b.plot(xs, [(s.tpot_p50_s or 0) * 1000 for s in runs], marker="s", label="TPOT p50")
+    b.plot(xs, [(s.e2e_p50_s or 0) * 1000 for s in runs], marker="^", label="end-to-end p50")
+    b.set(xlabel="concurrent clients", ylabel="ms", title="Latency", xscale="log", yscale="log")
+    for ax in (a, b):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(True, alpha=0.3)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    url = args.url.rstrip("/")
+    prompts = make_text_prompts(args.tokenizer, args.requests, args.input_len, args.seed)
+    summaries = []
+    if args.request_rate:
+        for rate in args.request_rate:
+            s = asyncio.run(open_loop(url, args.model, prompts, args.output_len, rate, args.seed, args.api_key))
+            summaries.append(s)
+            print(json.dumps(asdict(s)), flush=True)
+    else:
+        for c in args.concurrency:
+            s = asyncio.run(closed_loop(url, args.model, prompts, args.output_len, c, args.api_key))
+            summaries.append(s)
+            print(json.dumps(asdict(s)), flush=True)
+    report = {"url": url, "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+              "requests": args.requests, "runs": [asdict(s) for s in summaries]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(summaries, args.plot)
+    return 0 if all(s.failed == 0 for s in summaries) else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="benchmark an OpenAI-compatible server with streaming clients")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="smollm2-135m", help="model name to send in requests")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="model whose tokenizer sizes the prompts")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32],
+                   help="comma-separated closed-loop client counts (default 1,8,32)")
+    p.add_argument("--request-rate", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   help="comma-separated Poisson arrival rates (req/s); replaces --concurrency")
+    p.add_argument("--requests", type=int, default=64, help="requests per run")
+    p.add_argument("--input-len", type=int, default=210, help="prompt tokens (±10%%)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write a PNG of throughput and latency vs concurrency")
+    p.set_defaults(func=run)

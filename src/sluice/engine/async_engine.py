@@ -1,0 +1,179 @@
+"""AsyncEngine: the engine loop in its own thread; one async output stream per request.
+
+The event loop never runs model code. It hands commands (add, abort) to the engine
+thread through a queue and reads each request's outputs from an asyncio.Queue that the
+engine thread fills with call_soon_threadsafe after every step. A request that arrives
+mid-generation joins the batch at the next step; each step's new tokens reach their
+streams as soon as the step completes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from sluice.engine.llm_engine import LLMEngine
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+
+    # -- called from the event loop -------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.scheduler.num_running
+
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams) -> tuple[list[int], AsyncIterator[RequestOutput]]:
+        """Queue a request; returns its prompt token ids and its output stream.
+        Raises ValueError (from the engine) if the request can never run."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        added: asyncio.Future = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue())
+        self._send(("add", request_id, prompt, params, stream, added))
+        try:
+            prompt_ids = await added
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller left before its stream existed
+            raise
+        return prompt_ids, self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            # The consumer went away (client disconnect, cancellation): stop the request.
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                if not engine.has_unfinished_requests() and self._commands.empty():
+                    self._wake.wait()
+                self._wake.clear()
+                self._drain_commands()
+                if engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    outputs = engine.step()
+                    self._dispatch(outputs)
+                    if self.on_step is not None:
+                        self.on_step(engine, outputs, time.perf_counter() - t0)
+        except BaseException as e:  # a bug in the engine: fail every stream, never hang them
+            logger.exception("engine loop died")
+            self._dead = e
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"engine stopped: {e}"))
+            self._streams.clear()
+            return
+        # Shutting down: end every open stream as aborted.
+        for rid in list(self._streams):
+            engine.abort(rid)
+        self._dispatch(engine.step() if engine.has_unfinished_requests() else [])
+        for stream in self._streams.values():
+            stream.put(EngineDeadError("server is shutting down"))
+        self._streams.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, stream, added = cmd
+                try:
+                    ids = self.engine.add_request(rid, prompt, params)
+                except Exception as e:  # ValueError for bad input; reported, never fatal
+                    stream.loop.call_soon_threadsafe(_set_exception, added, e)
+                    continue
+                self._streams[rid] = stream
+                stream.loop.call_soon_threadsafe(_set_result, added, ids)
+            elif cmd[0] == "abort":
+                rid = cmd[1]
+                if rid in self._streams:
+                    self.engine.abort(rid)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,325 @@
+"""Completions and chat completions: OpenAI requests -> engine requests -> OpenAI responses.
+
+Streaming responses are Server-Sent Events. Every engine request a handler starts is
+aborted in a `finally`, so a client that disconnects (the response task is cancelled)
+frees its KV blocks within one engine step; aborting a finished request is a no-op.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from sluice.engine.async_engine import AsyncEngine
+from sluice.entrypoints.openai.errors import APIError, from_value_error
+from sluice.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo, random_id)
+from sluice.outputs import CompletionOutput, RequestOutput
+from sluice.sampling_params import SamplingParams
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kwargs = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
+                  min_tokens=req.min_tokens, logprobs=logprobs, stop=req.stop or [],
+                  stop_token_ids=req.stop_token_ids or [])
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def sse(payload) -> str:
+    data = payload.model_dump()
+    for choice in data.get("choices", ()):
+        if "delta" in choice:  # as OpenAI does: a delta carries only the fields it sets
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _Started:
+    request_ids: list[str]
+    prompt_ids: list[list[int]]
+    streams: list[AsyncIterator[RequestOutput]]
+
+
+@dataclass
+class _Progress:
+    """What one choice has sent so far."""
+    text_len: int = 0
+    tokens: int = 0
+    sent_role: bool = False
+    done: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+
+    async def _start(self, base_id: str, prompts: list, params: SamplingParams) -> _Started:
+        started = _Started([], [], [])
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"{base_id}-{i}"
+                ids, stream = await self.engine.add_request(rid, prompt, params)
+                started.request_ids.append(rid)
+                started.prompt_ids.append(ids)
+                started.streams.append(stream)
+        except ValueError as e:
+            self._abort(started)
+            raise from_value_error(e) from None
+        except BaseException:
+            self._abort(started)
+            raise
+        return started
+
+    def _abort(self, started: _Started) -> None:
+        for rid in started.request_ids:
+            self.engine.abort(rid)
+
+    # -- completions ----------------------------------------------------------
+    async def completions(self, req: CompletionRequest):
+        prompts = normalize_prompts(req.prompt)
+        if req.logprobs is not None and req.logprobs > 20:
+            raise APIError(400, f"logprobs must be at most 20, got {req.logprobs}", param="logprobs")
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        cid = random_id("cmpl")
+        started = await self._start(cid, prompts, params)
+        if req.stream:
+            return self._completion_stream(cid, req, started, params.n)
+        try:
+            finals = await _gather_finals(started.streams)
+        finally:
+            self._abort(started)
+        choices, completion_tokens = [], 0
+        for pi, (out, ids) in enumerate(zip(finals, started.prompt_ids)):
+            prefix = self._prompt_text(prompts[pi], ids) if req.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(CompletionChoice(
+                    index=pi * params.n + c.index, text=prefix + c.text,
+                    logprobs=self._completion_logprobs(c.logprobs, c.token_ids, len(prefix), 0, req.logprobs)
+                    if req.logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
+        return CompletionResponse(id=cid, model=self.model_name, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                                  total_tokens=prompt_tokens + completion_tokens))
+
+    async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int):
+        progress: dict[int, _Progress] = {}
+        completion_tokens = 0
+        try:
+            async for pi, out in _merge(started.streams):
+                for c in out.outputs:
+                    index = pi * n + c.index
+                    p = progress.setdefault(index, _Progress())
+                    if p.done:
+                        continue
+                    prefix = ""
+                    if req.echo and not p.sent_role:
+                        prefix = self._prompt_text(normalize_prompts(req.prompt)[pi], started.prompt_ids[pi])
+                    p.sent_role = True
+                    delta = prefix + c.text[p.text_len:]
+                    new_tokens = c.token_ids[p.tokens:]
+                    if not delta and not c.finished and not new_tokens:
+                        continue
+                    lp = None
+                    if req.logprobs is not None and new_tokens:
+                        lp = self._completion_logprobs(c.logprobs[p.tokens:], new_tokens, 0, p.text_len, req.logprobs)
+                    p.text_len, p.tokens = len(c.text), len(c.token_ids)
+                    if c.finished:
+                        p.done = True
+                        completion_tokens += len(c.token_ids)
+                    chunk = CompletionResponse(id=cid, model=self.model_name, choices=[CompletionChoice(
+                        index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason)])
+                    yield sse(chunk)
+            if req.stream_options and req.stream_options.include_usage:
+                prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
+                yield sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=UsageInfo(
+                    prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens)))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort(started)
+
+    def _prompt_text(self, prompt, ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+
+    def _completion_logprobs(self, entries, token_ids, text_start: int, offset: int,
+                             top_n: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        pos = offset + text_start
+        for tid, entry in zip(token_ids, entries or []):
+            chosen = entry.get(tid)
+            tok = chosen.decoded_token if chosen else self.tokenizer.decode([tid], skip_special_tokens=False)
+            out.tokens.append(tok)
+            out.token_logprobs.append(chosen.logprob if chosen else None)
+            tops = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
+            out.top_logprobs.append({lp.decoded_token: lp.logprob for lp in tops})
+            out.text_offset.append(pos)
+            pos += len(tok)
+        return out
+
+    # -- chat -----------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest):
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        messages = [chat_message(m) for m in req.messages]
+        if not messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        try:
+            prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt), add_special_tokens=False)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template that fails on this conversation (jinja error)
+            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, max_tokens, logprobs)
+        cid = random_id("chatcmpl")
+        started = await self._start(cid, [prompt_ids], params)
+        if req.stream:
+            return self._chat_stream(cid, req, started)
+        try:
+            (final,) = await _gather_finals(started.streams)
+        finally:
+            self._abort(started)
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
+                              if req.logprobs else None,
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in final.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        prompt_tokens = len(started.prompt_ids[0])
+        return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices, usage=UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens))
+
+    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
+        progress: dict[int, _Progress] = {}
+        completion_tokens = 0
+        top_n = req.top_logprobs or 0
+        try:
+            async for _, out in _merge(started.streams):
+                for c in out.outputs:
+                    p = progress.setdefault(c.index, _Progress())
+                    if p.done:
+                        continue
+                    if not p.sent_role:
+                        p.sent_role = True
+                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+                    delta = c.text[p.text_len:]
+                    new_tokens = c.token_ids[p.tokens:]
+                    lp = None
+                    if req.logprobs and new_tokens:
+                        lp = self._chat_logprobs(c.logprobs[p.tokens:], new_tokens, top_n)
+                    p.text_len, p.tokens = len(c.text), len(c.token_ids)
+                    if delta or lp is not None:
+                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=delta), logprobs=lp)]))
+                    if c.finished:
+                        p.done = True
+                        completion_tokens += len(c.token_ids)
+                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]))
+            if req.stream_options and req.stream_options.include_usage:
+                prompt_tokens = len(started.prompt_ids[0])
+                yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=UsageInfo(
+                    prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens)))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort(started)
+
+    def _chat_logprobs(self, entries, token_ids, top_n: int) -> ChatLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, entries or []):
+            chosen = entry.get(tid)
+            tok = chosen.decoded_token if chosen else self.tokenizer.decode([tid], skip_special_tokens=False)
+            tops = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
+            content.append(ChatTokenLogprob(
+                token=tok, logprob=chosen.logprob if chosen else float("-inf"), bytes=list(tok.encode()),
+                top_logprobs=[TopLogprob(token=t.decoded_token, logprob=t.logprob, bytes=list(t.decoded_token.encode()))
+                              for t in tops]))
+        return ChatLogprobs(content=content)
+
+
+def normalize_prompts(prompt) -> list:
+    """OpenAI's prompt forms: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        return list(prompt)
+    raise APIError(400, "prompt must not be empty", param="prompt")
+
+
+def chat_message(m) -> dict:
+    content = m.content
+    if isinstance(content, list):  # content parts: keep the text ones
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise APIError(400, f"unsupported content part type {part.get('type')!r}; only text is supported",
+                               param="messages")
+            texts.append(part.get("text", ""))
+        content = "".join(texts)
+    out = m.model_dump(exclude_none=True)
+    out["content"] = content or ""
+    return out
+
+
+async def _gather_finals(streams) -> list[RequestOutput]:
+    async def last(stream):
+        final = None
+        async for out in stream:
+            final = out
+        return final
+    return list(await asyncio.gather(*(last(s) for s in streams)))
+
+
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as outputs arrive, tagging each with its index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

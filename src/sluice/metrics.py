@@ -1,0 +1,70 @@
+"""Prometheus metrics of the engine and the server, on a registry of their own."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+            3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge("sluice_num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("sluice_num_requests_waiting", "Requests waiting to be admitted", labels, registry=r)
+        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Fraction of KV blocks in use", labels, registry=r)
+        self.kv_blocks_used = Gauge("sluice_kv_cache_blocks_used", "KV blocks in use", labels, registry=r)
+        self.kv_blocks_total = Gauge("sluice_kv_cache_blocks_total", "KV blocks in the pool", labels, registry=r)
+        self.preemptions = Counter("sluice_num_preemptions", "Requests preempted (recomputed later)", labels, registry=r)
+        self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of admitted requests", labels, registry=r)
+        self.generation_tokens = Counter("sluice_generation_tokens", "Generated tokens", labels, registry=r)
+        self.requests = Counter("sluice_requests_finished", "Finished requests by reason", labels + ["finished_reason"], registry=r)
+        self.steps = Counter("sluice_engine_steps", "Engine steps", labels, registry=r)
+        self.step_seconds = Histogram("sluice_engine_step_seconds", "Wall time of one engine step", labels,
+                                      buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival to first token", labels,
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("sluice_time_per_output_token_seconds", "Mean time between output tokens", labels,
+                              buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival to finish", labels,
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("sluice_request_queue_time_seconds", "Arrival to first scheduled", labels,
+                                    buckets=_LATENCY, registry=r)
+        self._preemptions_seen = 0
+
+    def observe_step(self, engine, outputs, seconds: float) -> None:
+        """Called by the engine thread after every step."""
+        m = self.model_name
+        sched, kv = engine.scheduler, engine.kv
+        self.running.labels(m).set(sched.num_running)
+        self.waiting.labels(m).set(sched.num_waiting)
+        self.kv_usage.labels(m).set(kv.usage())
+        self.kv_blocks_used.labels(m).set(kv.num_blocks - kv.num_free_blocks)
+        self.kv_blocks_total.labels(m).set(kv.num_blocks)
+        if sched.num_preemptions > self._preemptions_seen:
+            self.preemptions.labels(m).inc(sched.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = sched.num_preemptions
+        self.steps.labels(m).inc()
+        self.step_seconds.labels(m).observe(seconds)
+
+    def observe_request(self, arrival: float, first_scheduled: float | None, first_token: float | None,
+                        num_prompt: int, num_output: int, reason: str | None) -> None:
+        """Called once per finished request (per sample for n > 1)."""
+        m, now = self.model_name, time.monotonic()
+        self.prompt_tokens.labels(m).inc(num_prompt)
+        self.generation_tokens.labels(m).inc(num_output)
+        self.requests.labels(m, reason or "unknown").inc()
+        self.e2e.labels(m).observe(now - arrival)
+        if first_scheduled is not None:
+            self.queue_time.labels(m).observe(first_scheduled - arrival)
+        if first_token is not None:
+            self.ttft.labels(m).observe(first_token - arrival)
+            if num_output > 1:
+                self.tpot.labels(m).observe((now - first_token) / (num_output - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,96 @@
+"""A real server on 127.0.0.1 and a free port, in this process, over the real engine
+on a tiny random Llama (float32)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.llm_engine import LLMEngine
+from sluice.entrypoints.openai.api_server import ServerConfig, build_app, observe
+from sluice.metrics import Metrics
+
+MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics):
+        import uvicorn
+        config.port = free_port()
+        self.url = f"http://127.0.0.1:{config.port}"
+        self.engine = engine
+        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, config, metrics), host="127.0.0.1",
+                                                    port=config.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def start_engine(path: str, **kwargs) -> tuple[AsyncEngine, Metrics, dict]:
+    engine = LLMEngine.from_kwargs(model=path, dtype="float32", **kwargs)
+    metrics = Metrics(MODEL)
+    stats = {"max_running": 0, "max_batch_requests": 0}
+    record = observe(metrics)
+
+    def on_step(eng, outputs, seconds):
+        stats["max_running"] = max(stats["max_running"], eng.scheduler.num_running)
+        stats["max_batch_requests"] = max(stats["max_batch_requests"], len(outputs))
+        record(eng, outputs, seconds)
+    aengine = AsyncEngine(engine, on_step=on_step)
+    aengine.start()
+    return aengine, metrics, stats
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    aengine, metrics, stats = start_engine(path, num_blocks=512)
+    main = RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
+    keyed = RunningServer(aengine, ServerConfig(served_model_name=MODEL, api_key="sekret"), metrics)
+    yield SimpleNamespace(url=main.url, keyed_url=keyed.url, engine=aengine, llm=aengine.engine,
+                          metrics=metrics, stats=stats, model_path=path)
+    main.stop()
+    keyed.stop()
+    aengine.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_all_blocks_free(llm, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if llm.kv.num_free_blocks == llm.kv.num_blocks and not llm.has_unfinished_requests():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{llm.kv.num_blocks - llm.kv.num_free_blocks} KV blocks still held")
+
+
+def metric_value(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

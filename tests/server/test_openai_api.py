@@ -1,0 +1,129 @@
+"""Completions and chat through the `openai` client against a real server."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL, wait_all_blocks_free
+
+GREEDY = {"ignore_eos": True}
+
+
+def test_completion_non_streaming_with_exact_usage(client, server):
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                  extra_body=GREEDY)
+    ids = server.llm.tokenizer.encode("The quick brown fox")
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == len(ids) + 12
+    # The same request offline gives the same text.
+    from sluice import SamplingParams
+    assert r.choices[0].text  # tiny random model: gibberish, but not empty
+
+
+def test_completion_stream_equals_non_stream_and_reports_usage(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, extra_body=GREEDY)
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_chat_non_streaming_and_streaming(client):
+    msgs = [{"role": "user", "content": "Say hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0,
+                                       extra_body=GREEDY)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == r.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_n2_stop_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt="Numbers:", n=2, max_tokens=8, temperature=1.0, seed=3,
+                                  extra_body=GREEDY)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16
+    again = client.completions.create(model=MODEL, prompt="Numbers:", n=2, max_tokens=8, temperature=1.0,
+                                      seed=3, extra_body=GREEDY)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    full = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=20, temperature=0,
+                                     extra_body=GREEDY).choices[0].text
+    stop = full.strip()[3:6]
+    assert stop
+    cut = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body=GREEDY).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+
+
+def test_prompt_forms_echo_and_logprobs(client, server):
+    ids = server.llm.tokenizer.encode("Hello there")
+    r = client.completions.create(model=MODEL, prompt=["Hello there", "General Kenobi"], max_tokens=4,
+                                  temperature=0, extra_body=GREEDY)
+    assert [c.index for c in r.choices] == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, extra_body=GREEDY)
+    assert by_ids.choices[0].text == r.choices[0].text
+    echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0, echo=True,
+                                     logprobs=2, extra_body=GREEDY).choices[0]
+    assert echo.text == "Hello there" + r.choices[0].text
+    assert len(echo.logprobs.tokens) == 4 and all(lp <= 0 for lp in echo.logprobs.token_logprobs)
+    assert all(len(t) == 2 for t in echo.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body=GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_32_concurrent_streaming_chats_match_solo_runs(server):
+    """32 clients at once: their steps interleave, and each text equals its solo run."""
+    from openai import AsyncOpenAI
+    questions = [f"Question {i}: tell me about item {i * 7}" for i in range(32)]
+
+    async def main():
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def ask(q):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=24, temperature=0,
+                stream=True, extra_body=GREEDY)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        alone = [await ask(q) for q in questions]
+        server.stats["max_running"] = 0
+        crowd = await asyncio.gather(*(ask(q) for q in questions))
+        await client.close()
+        return alone, list(crowd)
+
+    alone, crowd = asyncio.run(main())
+    assert crowd == alone
+    assert server.stats["max_running"] >= 16, server.stats
+    wait_all_blocks_free(server.llm)
+
+
+def test_models_health_version_metrics(server):
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_kv_cache_usage_ratio",
+                 "sluice_num_preemptions_total", "sluice_prompt_tokens_total", "sluice_generation_tokens_total",
+                 "sluice_time_to_first_token_seconds_bucket", "sluice_time_per_output_token_seconds_bucket",
+                 "sluice_e2e_request_latency_seconds_bucket", "sluice_request_queue_time_seconds_bucket"):
+        assert name in text, name

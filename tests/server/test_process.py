@@ -1,0 +1,65 @@
+"""`sluice serve` as a real process (signals), and `sluice bench serve` against a server."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.conftest import MODEL, free_port
+
+
+def test_sigterm_mid_stream_exits_zero_within_seconds(tiny_checkpoint):
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model",
+                             str(tiny_checkpoint("llama")), "--dtype", "float32", "--port", str(port),
+                             "--num-blocks", "128", "--served-model-name", MODEL],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            t0 = time.time()
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=15)
+        assert rc == 0
+        assert time.time() - t0 < 8
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bench_serve_reports_json_and_plot(server, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "sluice.entrypoints.cli", "bench", "serve", "--url", server.url, "--model", MODEL,
+           "--tokenizer", server.model_path, "--concurrency", "1,4", "--requests", "8", "--input-len", "32",
+           "--output-len", "8", "--json", str(out), "--plot", str(png)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert res.returncode == 0, res.stderr
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 4]
+    for r in runs:
+        assert r["failed"] == 0 and r["requests"] == 8
+        assert r["output_tok_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0
+    assert png.stat().st_size > 1000
+    rate = subprocess.run(cmd[:-4] + ["--request-rate", "20"], capture_output=True, text=True, timeout=300)
+    assert rate.returncode == 0, rate.stderr
+    assert json.loads(rate.stdout.splitlines()[-1])["request_rate"] == 20.0
