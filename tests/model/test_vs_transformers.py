@@ -65,3 +65,18 @@ def test_smollm2_gguf_matches_transformers(smollm2_source, smollm2_llm):
         assert out.outputs[0].token_ids == ref_tokens, f"{prompt!r}"
     assert "Paris" in outs[-1].outputs[0].text
     assert_all_blocks_free(smollm2_llm)
+
+
+def test_sharded_safetensors_load_the_same(tiny_checkpoint, tmp_path):
+    """A checkpoint split over several safetensors files (with an index) loads identically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    src = tiny_checkpoint("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    whole = LLM(model=str(src), dtype="float32", num_blocks=16).generate(PROMPTS, params)
+    shards = LLM(model=str(tmp_path), dtype="float32", num_blocks=16).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in shards]

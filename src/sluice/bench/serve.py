@@ -179,20 +179,21 @@ def plot(summaries: list[RunSummary], path: str) -> None:
 
 def run(args) -> int:
     url = args.url.rstrip("/")
-    prompts = make_text_prompts(args.tokenizer, args.requests, args.input_len, args.seed)
+    runs = args.request_rate or args.concurrency
+    counts = args.requests if len(args.requests) > 1 else args.requests * len(runs)
+    if len(counts) != len(runs):
+        raise ValueError(f"--requests has {len(counts)} values for {len(runs)} runs")
+    prompts = make_text_prompts(args.tokenizer, max(counts), args.input_len, args.seed)
     summaries = []
-    if args.request_rate:
-        for rate in args.request_rate:
-            s = asyncio.run(open_loop(url, args.model, prompts, args.output_len, rate, args.seed, args.api_key))
-            summaries.append(s)
-            print(json.dumps(asdict(s)), flush=True)
-    else:
-        for c in args.concurrency:
-            s = asyncio.run(closed_loop(url, args.model, prompts, args.output_len, c, args.api_key))
-            summaries.append(s)
-            print(json.dumps(asdict(s)), flush=True)
+    for x, n in zip(runs, counts):
+        if args.request_rate:
+            s = asyncio.run(open_loop(url, args.model, prompts[:n], args.output_len, x, args.seed, args.api_key))
+        else:
+            s = asyncio.run(closed_loop(url, args.model, prompts[:n], args.output_len, x, args.api_key))
+        summaries.append(s)
+        print(json.dumps(asdict(s)), flush=True)
     report = {"url": url, "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-              "requests": args.requests, "runs": [asdict(s) for s in summaries]}
+              "runs": [asdict(s) for s in summaries]}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
@@ -209,7 +210,8 @@ def add_parser(sub) -> None:
                    help="comma-separated closed-loop client counts (default 1,8,32)")
     p.add_argument("--request-rate", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="comma-separated Poisson arrival rates (req/s); replaces --concurrency")
-    p.add_argument("--requests", type=int, default=64, help="requests per run")
+    p.add_argument("--requests", type=lambda s: [int(x) for x in s.split(",")], default=[64],
+                   help="requests per run: one number, or one per concurrency / rate (e.g. 16,64,64)")
     p.add_argument("--input-len", type=int, default=210, help="prompt tokens (±10%%)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)

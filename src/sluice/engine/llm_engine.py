@@ -40,6 +40,7 @@ class LLMEngine:
             model = build_model(hf_config).to(self.dtype)
         model.load_weights(iter_weights(src, self.dtype))
         model.eval()
+        model.optimize_for(self.device, self.dtype)
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         arch = model.arch

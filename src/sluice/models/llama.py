@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.models.linear import Linear, can_prepack, prepack_linears, prepack_weight
 from sluice.worker.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -109,8 +110,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -135,8 +136,8 @@ class MLP(nn.Module):
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -175,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self._packed_embedding: torch.Tensor | None = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
@@ -194,8 +196,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self._packed_embedding is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_embedding, None, "none", [], "")
+        return F.linear(hidden, self.model.embed_tokens.weight)
+
+    def optimize_for(self, device: torch.device, dtype: torch.dtype) -> None:
+        """After loading: prepack weights where the device has a faster form."""
+        if can_prepack(device, dtype):
+            prepack_linears(self)
+            if self.lm_head is None:  # tied head: a packed copy beside the embedding table
+                self._packed_embedding = prepack_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from sluice.config import CacheConfig
 from sluice.core.scheduler import SampledToken, ScheduledRequest, StepPlan, StepResult
+from sluice.worker import kernels
 from sluice.worker.attention import AttentionMetadata, PrefillChunk
 from sluice.worker.sampler import Sampler, SamplingMetadata, seeded_generator
 
@@ -21,7 +22,8 @@ def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
+                 use_kernels: bool = True):
         self.model = model
         self.arch = model.arch
         self.dtype = dtype
@@ -29,12 +31,14 @@ class ModelRunner:
         self.block_size = cache.block_size
         per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype)
         self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
-        shape = (self.num_blocks, cache.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (self.arch.num_kv_heads, self.num_blocks, cache.block_size, self.arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(self.arch.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
                     cache.block_size, self.num_blocks * per_block / 2**30)
+        # Decode attention kernel: C++ on CPU where it builds, else the torch path.
+        self.decode_kernel = kernels.load() if device.type == "cpu" and use_kernels else None
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
@@ -82,14 +86,16 @@ class ModelRunner:
                 prefills.append(PrefillChunk(start, end, e.start_pos, seq_len,
                                              torch.tensor(blocks[:n_blocks], device=dev), mask))
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
-        decode_idx = decode_bt = decode_mask = None
+        decode_idx = decode_bt = decode_mask = d_lens = None
         if decode_rows:
             sel = torch.tensor(decode_reqs, dtype=torch.long)
             d_lens = seq_lens_t[sel]
             n_blocks = int(-(-int(d_lens.max()) // bs))
             decode_bt = block_tables[sel, :n_blocks].to(dev)
-            decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[:, None, None, :].to(dev)
+            if self.decode_kernel is None:
+                decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[None, :, None, :].to(dev)
             decode_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            d_lens = d_lens.to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
@@ -98,7 +104,9 @@ class ModelRunner:
             decode_token_idx=decode_idx,
             decode_block_tables=decode_bt,
             decode_mask=decode_mask,
+            decode_seq_lens=d_lens,
             prefills=prefills,
+            decode_kernel=self.decode_kernel,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),

@@ -1,0 +1,181 @@
+// Decode attention straight from the paged KV cache, on the CPU.
+//
+// One query token per sequence. For each (sequence, kv head) the kernel walks the
+// sequence's block table, so it reads each cached K/V row once and never pads to the
+// longest sequence or copies blocks into a contiguous buffer (what the torch fallback
+// has to do). Scores, softmax and the weighted sum run in float32 whatever the cache
+// dtype. Work is split over (sequence, kv head) pairs with at::parallel_for, i.e.
+// torch's own intra-op threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+
+#if defined(__AVX512F__)
+// 16 lanes of float32 from float32 or bfloat16 memory (bf16 -> f32 is a 16-bit shift).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+constexpr int kMaxGroup = 8;    // query heads per kv head handled in registers
+constexpr int kMaxChunks = 8;   // head_dim / 16
+#endif
+
+template <typename T>
+void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks, int64_t len,
+                int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* acc) {
+  // Scores: q . k for every cached token of this sequence, walking its block table.
+#if defined(__AVX512F__)
+  const int64_t chunks = head_dim / 16;
+  const bool fast = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
+#else
+  const bool fast = false;
+#endif
+  if (fast) {
+#if defined(__AVX512F__)
+    for (int64_t t = 0; t < len; ++t) {
+      const T* k = kh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      __m512 kv[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qf + g * head_dim), kv[0]);
+        for (int64_t c = 1; c < chunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + c * 16), kv[c], sum);
+        scores[g * len + t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+#endif
+  } else {
+    for (int64_t t = 0; t < len; ++t) {
+      const T* k = kh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) dot += qf[g * head_dim + i] * to_float(k[i]);
+        scores[g * len + t] = dot;
+      }
+    }
+  }
+  // Softmax per query head, in float32.
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  // Weighted sum of V.
+  if (fast) {
+#if defined(__AVX512F__)
+    __m512 a[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const T* v = vh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      __m512 vv[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(v + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+        for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * head_dim + c * 16, a[g][c]);
+#endif
+  } else {
+    std::fill(acc, acc + group * head_dim, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* v = vh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + t];
+        for (int64_t i = 0; i < head_dim; ++i) acc[g * head_dim + i] += p * to_float(v[i]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                           torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / num_kv_heads, h = work % num_kv_heads;
+      const int64_t len = lens[s];
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + (s * num_heads + h * group + g) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
+      }
+      attend_one(qf.data(), kp + h * num_blocks * block_size * head_dim, vp + h * num_blocks * block_size * head_dim,
+                 bt + s * max_blocks, len, block_size, group, head_dim, scores.data(), acc.data());
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + (s * num_heads + h * group + g) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[g * head_dim + i]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], cache [kv_heads, blocks, block, dim]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+              "int64 block tables and lengths");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads not a multiple of kv heads");
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat32) {
+    decode_attention_impl<float>(q, k_cache, v_cache, bt, lens, scale, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, bt, lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+}
