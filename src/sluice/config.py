@@ -54,6 +54,7 @@ class CacheConfig:
     # GiB of memory for K and V of all layers; ignored when num_blocks is given.
     kv_cache_memory: float = 1.0
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
 
 @dataclass

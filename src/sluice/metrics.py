@@ -34,7 +34,17 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.queue_time = Histogram("sluice_request_queue_time_seconds", "Arrival to first scheduled", labels,
                                     buckets=_LATENCY, registry=r)
+        self.prefix_queries = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   labels, registry=r)
+        self.prefix_hit_rate = Gauge("sluice_prefix_cache_hit_rate", "Hits / queries since start, in tokens",
+                                     labels, registry=r)
+        self.cached_blocks = Gauge("sluice_prefix_cache_blocks", "KV blocks holding a cached prefix",
+                                   labels, registry=r)
         self._preemptions_seen = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
 
     def observe_step(self, engine, outputs, seconds: float) -> None:
         """Called by the engine thread after every step."""
@@ -48,6 +58,11 @@ class Metrics:
         if sched.num_preemptions > self._preemptions_seen:
             self.preemptions.labels(m).inc(sched.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = sched.num_preemptions
+        self.prefix_queries.labels(m).inc(kv.query_tokens - self._queries_seen)
+        self.prefix_hits.labels(m).inc(kv.hit_tokens - self._hits_seen)
+        self._queries_seen, self._hits_seen = kv.query_tokens, kv.hit_tokens
+        self.prefix_hit_rate.labels(m).set(kv.hit_tokens / kv.query_tokens if kv.query_tokens else 0.0)
+        self.cached_blocks.labels(m).set(kv.num_cached_blocks)
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
 

@@ -36,6 +36,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     times: RequestTimes | None = None
+    num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

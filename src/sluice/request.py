@@ -35,8 +35,14 @@ class Logprob:
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None):
+                 eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None,
+                 cache_salt: str | None = None, share_key: str | None = None):
         self.request_id = request_id
+        # Prefix caching: blocks are only shared between requests with the same salt;
+        # share_key (the parent id of n > 1 samples) lets siblings share with caching off.
+        self.cache_salt = cache_salt
+        self.share_key = share_key
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params

@@ -165,12 +165,12 @@ def test_manager_allocate_returns_new_block_ids():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     req = make_request("a")
     alloc = kv.allocate(req, 6)
-    assert alloc == KVAllocation((0, 1))
+    assert alloc == KVAllocation((), (0, 1))
     assert kv.block_ids("a") == [0, 1]
     req.num_computed_tokens = 6
-    assert kv.allocate(req, 2) == KVAllocation(())      # 8 tokens still fit 2 blocks
+    assert kv.allocate(req, 2) == KVAllocation((), ())      # 8 tokens still fit 2 blocks
     assert kv.block_ids("a") == [0, 1]
-    assert kv.allocate(req, 3) == KVAllocation((2,))    # 9 tokens need a 3rd block
+    assert kv.allocate(req, 3) == KVAllocation((), (2,))    # 9 tokens need a 3rd block
     assert kv.block_ids("a") == [0, 1, 2]
     assert kv.num_free_blocks == 5
     assert kv.usage() == pytest.approx(3 / 8)

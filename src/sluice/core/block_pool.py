@@ -1,23 +1,28 @@
-"""BlockPool: fixed-size KV blocks with reference counts and an O(1) LRU free list.
+"""BlockPool: fixed-size KV blocks with reference counts, content hashes and an O(1)
+LRU free list.
 
-Blocks are identified by integer ids into the runner's preallocated K/V tensors.
-Free blocks wait in a doubly linked list in least-recently-freed order, so that a
-later prefix cache can evict the coldest block first and revive a freed one in O(1).
+Blocks are identified by integer ids into the runner's preallocated K/V tensors. A full
+block can carry the hash of its content (see kv_cache_manager.block_hash); the pool maps
+hash -> block so a later request with the same prefix can take it. A freed block keeps
+its hash and contents and waits in a doubly linked list in least-recently-freed order; it
+is evicted (hash dropped) only when allocate() needs it, coldest first. Reviving a free
+block, taking one and returning one are all O(1).
 """
 from __future__ import annotations
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | None = None
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt})"
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
 class FreeBlockQueue:
@@ -64,24 +69,57 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the LRU end; the caller checks num_free_blocks first."""
+        """Take n blocks from the LRU end, evicting their cached content; the caller
+        checks num_free_blocks first."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            self._drop_hash(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def take(self, blocks: list[KVBlock]) -> None:
+        """Add a reference to cached blocks a request reuses (reviving free ones)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Record a full block's content hash. If another block already holds the same
+        content, that one stays the cached copy and this block stays private."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def uncache(self, block: KVBlock) -> None:
+        self._drop_hash(block)
+
+    def _drop_hash(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free list
@@ -92,3 +130,11 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def reset_cache(self) -> int:
+        """Forget every cached hash (e.g. after a weight update); returns how many."""
+        n = len(self.cached)
+        for block in list(self.cached.values()):
+            block.block_hash = None
+        self.cached.clear()
+        return n

@@ -1,28 +1,65 @@
-"""KVCacheManager: which blocks each request holds. The scheduler asks it for room for
-new tokens and gets back an opaque KVAllocation, or None when the pool is short."""
+"""KVCacheManager: which blocks each request holds, and which full blocks can be reused.
+
+The scheduler asks it for room for new tokens and gets back an opaque KVAllocation, or
+None when the pool is short. With prefix caching, every full block is named by a chained
+SHA-256 of (parent block's hash, its token ids, extra keys such as a cache salt), strong
+enough that a collision cannot silently corrupt output; a new request takes the longest
+run of cached blocks matching its tokens and computes only the rest. Samples of one
+request (n > 1) share their prompt blocks this way even with caching off, through a salt
+private to the request.
+"""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 
 from sluice.core.block_pool import BlockPool, KVBlock
 from sluice.request import Request
+
+_ROOT = b"\x00" * 32
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hash(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"\xff" + extra)
+    return h.digest()
+
+
 @dataclass(frozen=True)
 class KVAllocation:
-    """Blocks newly given to a request by one allocate() call."""
+    """Blocks given to a request by one allocate() call: reused cached ones, then new ones."""
+    cached_block_ids: tuple[int, ...]
     new_block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The longest run of cached blocks matching a request's tokens."""
+    blocks: tuple[KVBlock, ...]
+    num_tokens: int
+
+
+_NO_PREFIX = CachedPrefix((), 0)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[bytes]] = {}
+        self.req_num_named: dict[str, int] = {}   # leading blocks already given a hash
+        # Prefix-cache statistics, in tokens.
+        self.query_tokens = 0
+        self.hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -38,25 +75,97 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate(self, request: Request, num_new_tokens: int) -> KVAllocation | None:
-        """Room for the request's next num_new_tokens tokens, or None if the pool cannot
-        supply it now (nothing is taken in that case)."""
+    # -- hashing --------------------------------------------------------------
+    def _hashing(self, request: Request) -> bool:
+        return self.enable_caching or request.share_key is not None
+
+    def _salt(self, request: Request) -> bytes:
+        # With caching off only a request's own samples may share (salt = the parent id).
+        parts = [request.cache_salt or ""]
+        if not self.enable_caching:
+            parts.append(request.share_key or "")
+        return "\x00".join(parts).encode() if any(parts) else b""
+
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """The request's block hashes up to num_full_blocks, extended lazily."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT
+            extra = self._salt(request) if i == 0 else b""
+            hashes.append(block_hash(parent, request.token_ids_slice(i * bs, (i + 1) * bs), extra))
+        return hashes
+
+    # -- allocation -----------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """Cached blocks matching the start of a request that holds no blocks yet. The
+        last token is always left to compute, so the request gets logits."""
+        if not self._hashing(request) or self.req_blocks.get(request.request_id):
+            return _NO_PREFIX
+        usable = (request.num_tokens - 1) // self.block_size
+        found: list[KVBlock] = []
+        for h in self._hashes(request, usable):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            found.append(block)
+        self.query_tokens += request.num_tokens
+        self.hit_tokens += len(found) * self.block_size
+        return CachedPrefix(tuple(found), len(found) * self.block_size)
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 prefix: CachedPrefix = _NO_PREFIX) -> KVAllocation | None:
+        """Room for the request's next num_new_tokens tokens (after its computed tokens and
+        any cached prefix it takes now), or None if the pool cannot supply it now (nothing
+        is taken in that case)."""
         held = self.req_blocks.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(held)
-        if need <= 0:
-            return KVAllocation(())
-        if need > self.pool.num_free_blocks:
+        total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        need = self.blocks_needed(total) - len(held) - len(prefix.blocks)
+        # Reviving a cached block that sits in the free list uses up a free block too.
+        revived = sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+        if max(need, 0) + revived > self.pool.num_free_blocks:
             return None
-        new = self.pool.allocate(need)
-        self.req_blocks.setdefault(request.request_id, []).extend(new)
-        return KVAllocation(tuple(b.block_id for b in new))
+        self.pool.take(list(prefix.blocks))
+        new = self.pool.allocate(need) if need > 0 else []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(prefix.blocks)
+        blocks.extend(new)
+        if self._hashing(request):
+            # Name the blocks this step fills. Their K/V is written in this step's forward
+            # pass before any layer reads it, so a request admitted later in the same step
+            # may already share them.
+            full = total // self.block_size
+            done = self.req_num_named.get(request.request_id, 0)
+            if full > done:
+                hashes = self._hashes(request, full)
+                for i in range(done, full):
+                    if blocks[i].block_hash is None:
+                        self.pool.cache(blocks[i], hashes[i])
+                self.req_num_named[request.request_id] = full
+        return KVAllocation(tuple(b.block_id for b in prefix.blocks), tuple(b.block_id for b in new))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def free(self, request: Request) -> None:
+        """Return a request's blocks. Blocks whose K/V it never finished computing lose
+        their hash (their content is not what the hash says); with caching off, all do."""
         blocks = self.req_blocks.pop(request.request_id, None)
-        if blocks:
-            # Tail first: the end of a sequence is the least likely to be reused.
-            self.pool.free(list(reversed(blocks)))
+        self.req_hashes.pop(request.request_id, None)
+        self.req_num_named.pop(request.request_id, None)
+        if not blocks:
+            return
+        computed = request.num_computed_tokens // self.block_size
+        for i, block in enumerate(blocks):
+            if block.ref_cnt == 1 and (i >= computed or not self.enable_caching):
+                self.pool.uncache(block)
+        # Tail first: the end of a sequence is the least likely to be reused.
+        self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached_blocks

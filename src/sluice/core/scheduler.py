@@ -67,6 +67,9 @@ class StepUpdate:
 
 
 class Scheduler:
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
         self.kv = kv
@@ -126,10 +129,14 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate(req, n) is None:
+            prefix = self.kv.find_cached_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
+            if self.kv.allocate(req, n, prefix) is None:
                 break
             self.waiting.popleft()
+            req.num_computed_tokens += prefix.num_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = prefix.num_tokens
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()

@@ -63,8 +63,15 @@ class AsyncEngine:
     def num_running(self) -> int:
         return self.engine.scheduler.num_running
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> tuple[list[int], AsyncIterator[RequestOutput]]:
+    async def reset_prefix_cache(self) -> int:
+        """Forget cached prefix blocks, between two engine steps; returns how many."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("reset", loop, done))
+        return await done
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> tuple[list[int], AsyncIterator[RequestOutput]]:
         """Queue a request; returns its prompt token ids and its output stream.
         Raises ValueError (from the engine) if the request can never run."""
         if self._dead is not None:
@@ -72,7 +79,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._send(("add", request_id, prompt, params, stream, added))
+        self._send(("add", request_id, prompt, params, cache_salt, stream, added))
         try:
             prompt_ids = await added
         except asyncio.CancelledError:
@@ -146,14 +153,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, stream, added = cmd
+                _, rid, prompt, params, salt, stream, added = cmd
                 try:
-                    ids = self.engine.add_request(rid, prompt, params)
+                    ids = self.engine.add_request(rid, prompt, params, cache_salt=salt)
                 except Exception as e:  # ValueError for bad input; reported, never fatal
                     stream.loop.call_soon_threadsafe(_set_exception, added, e)
                     continue
                 self._streams[rid] = stream
                 stream.loop.call_soon_threadsafe(_set_result, added, ids)
+            elif cmd[0] == "reset":
+                _, loop, done = cmd
+                loop.call_soon_threadsafe(_set_result, done, self.engine.reset_prefix_cache())
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if rid in self._streams:

@@ -47,7 +47,8 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info("loaded %s (%s) in %.1fs", src.path, self.dtype, time.perf_counter() - t0)
@@ -58,9 +59,10 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> list[int]:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> list[int]:
         """Queue a request (n samples of it). Raises ValueError if it can never run.
-        Returns the prompt's token ids."""
+        Returns the prompt's token ids. Requests share cached prefix blocks only with
+        requests of the same cache_salt (one per tenant, say)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -83,7 +85,8 @@ class LLMEngine:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, self.tokenizer.eos_token_ids,
-                                    max_tokens, arrival_time))
+                                    max_tokens, arrival_time, cache_salt=cache_salt,
+                                    share_key=request_id if params.n > 1 else None))
         self.outputs.add(request_id, text, ids, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -118,6 +121,10 @@ class LLMEngine:
             if req is not None:
                 aborted.append(req)
         self.outputs.mark_aborted(aborted)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefix blocks (needed after a weight update); returns how many."""
+        return self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.outputs.has_pending()

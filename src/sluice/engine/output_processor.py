@@ -122,7 +122,8 @@ class OutputProcessor:
             arrival=min(r.arrival_time for r in reqs),
             first_scheduled=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
             first_token=min((r.first_token_time for r in reqs if r.first_token_time), default=None))
-        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished, times)
+        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished, times,
+                            num_cached_tokens=max(r.num_cached_tokens for r in reqs))
         if finished:
             for cid in parent.child_ids:
                 self.samples.pop(cid, None)

@@ -24,12 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (default 2048)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse cached KV blocks of repeated prompt prefixes")
 
 
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -6,6 +6,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import signal
@@ -100,15 +101,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(result.model_dump())
 
+    # With API keys, each key is a tenant with its own prefix-cache namespace, so one
+    # tenant can never hit (or time) another's cached blocks.
+    tenant = hashlib.sha256(config.api_key.encode()).hexdigest()[:16] if config.api_key else ""
+
+    def salt(req) -> str | None:
+        parts = [p for p in (tenant, req.cache_salt) if p]
+        return "/".join(parts) or None
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         admit(req.model)
-        return respond(await serving.completions(req))
+        return respond(await serving.completions(req, salt(req)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
         admit(req.model)
-        return respond(await serving.chat(req))
+        return respond(await serving.chat(req, salt(req)))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        if config.api_key:  # an admin action: needs the key even though it is not under /v1
+            header = request.headers.get("authorization", "")
+            if not hmac.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
+                return error_json(401, "missing or invalid API key", code="invalid_api_key")
+        return {"reset_blocks": await engine.reset_prefix_cache()}
 
     @app.get("/v1/models")
     async def models():

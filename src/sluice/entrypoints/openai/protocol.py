@@ -38,6 +38,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Prefix-cache isolation: requests share cached blocks only with the same salt.
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -62,10 +64,15 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

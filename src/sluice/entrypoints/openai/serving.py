@@ -16,7 +16,7 @@ from sluice.entrypoints.openai.errors import APIError, from_value_error
 from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo, random_id)
+    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id)
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -34,6 +34,12 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def sse(payload) -> str:
@@ -66,12 +72,12 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
 
-    async def _start(self, base_id: str, prompts: list, params: SamplingParams) -> _Started:
+    async def _start(self, base_id: str, prompts: list, params: SamplingParams, salt: str | None) -> _Started:
         started = _Started([], [], [])
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{base_id}-{i}"
-                ids, stream = await self.engine.add_request(rid, prompt, params)
+                ids, stream = await self.engine.add_request(rid, prompt, params, cache_salt=salt)
                 started.request_ids.append(rid)
                 started.prompt_ids.append(ids)
                 started.streams.append(stream)
@@ -88,13 +94,13 @@ class OpenAIServing:
             self.engine.abort(rid)
 
     # -- completions ----------------------------------------------------------
-    async def completions(self, req: CompletionRequest):
+    async def completions(self, req: CompletionRequest, salt: str | None = None):
         prompts = normalize_prompts(req.prompt)
         if req.logprobs is not None and req.logprobs > 20:
             raise APIError(400, f"logprobs must be at most 20, got {req.logprobs}", param="logprobs")
         params = sampling_params(req, req.max_tokens, req.logprobs)
         cid = random_id("cmpl")
-        started = await self._start(cid, prompts, params)
+        started = await self._start(cid, prompts, params, salt)
         if req.stream:
             return self._completion_stream(cid, req, started, params.n)
         try:
@@ -113,14 +119,16 @@ class OpenAIServing:
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
         return CompletionResponse(id=cid, model=self.model_name, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                                  total_tokens=prompt_tokens + completion_tokens))
+                                  usage=usage(prompt_tokens, completion_tokens,
+                                              sum(f.num_cached_tokens for f in finals)))
 
     async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int):
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
+        cached: dict[int, int] = {}
         try:
             async for pi, out in _merge(started.streams):
+                cached[pi] = out.num_cached_tokens
                 for c in out.outputs:
                     index = pi * n + c.index
                     p = progress.setdefault(index, _Progress())
@@ -147,9 +155,8 @@ class OpenAIServing:
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
-                yield sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=UsageInfo(
-                    prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens)))
+                yield sse(CompletionResponse(id=cid, model=self.model_name, choices=[],
+                                             usage=usage(prompt_tokens, completion_tokens, sum(cached.values()))))
             yield "data: [DONE]\n\n"
         finally:
             self._abort(started)
@@ -173,7 +180,7 @@ class OpenAIServing:
         return out
 
     # -- chat -----------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest):
+    async def chat(self, req: ChatCompletionRequest, salt: str | None = None):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
@@ -192,7 +199,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, logprobs)
         cid = random_id("chatcmpl")
-        started = await self._start(cid, [prompt_ids], params)
+        started = await self._start(cid, [prompt_ids], params, salt)
         if req.stream:
             return self._chat_stream(cid, req, started)
         try:
@@ -206,16 +213,17 @@ class OpenAIServing:
                    for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         prompt_tokens = len(started.prompt_ids[0])
-        return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices, usage=UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens))
+        return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices,
+                                      usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens))
 
     async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
         top_n = req.top_logprobs or 0
+        cached = 0
         try:
             async for _, out in _merge(started.streams):
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     p = progress.setdefault(c.index, _Progress())
                     if p.done:
@@ -240,9 +248,8 @@ class OpenAIServing:
                             index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]))
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = len(started.prompt_ids[0])
-                yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=UsageInfo(
-                    prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens)))
+                yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[],
+                                              usage=usage(prompt_tokens, completion_tokens, cached)))
             yield "data: [DONE]\n\n"
         finally:
             self._abort(started)
