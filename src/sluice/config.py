@@ -46,6 +46,8 @@ class ModelConfig:
     # None: the model's own context length.
     max_model_len: int | None = None
     seed: int = 0
+    # None, or "int8": weight-only int8 linear layers (CPU, bfloat16 activations).
+    quantization: str | None = None
 
 
 @dataclass
@@ -97,5 +99,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         if s.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if self.model.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.model.quantization!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")

@@ -240,3 +240,17 @@ def test_bad_requests_are_rejected_and_nothing_leaks(tiny_llm):
         tiny_llm.generate([[5, 6], ""])
     assert_all_blocks_free(tiny_llm)
     assert tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
+
+
+def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
+    """int8 weights answer sensibly (decode rows take the int8 matmul), and need bf16."""
+    llm = LLM(dtype="bfloat16", quantization="int8", kv_cache_memory=0.1)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert "Paris" in out
+    layer = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.qweight is not None and layer.qweight.dtype.is_floating_point is False
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(dtype="float32", quantization="int8", kv_cache_memory=0.1)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(quantization="int4", kv_cache_memory=0.1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,9 +23,33 @@ from sluice.outputs import RequestOutput
 from sluice.request import Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.tokenizer import Tokenizer
-from sluice.worker.model_runner import ModelRunner
+from sluice.worker.model_runner import ModelRunner, RunnerTimings
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    """Cumulative wall seconds per phase of step(), for profiling (always on: a handful
+    of clock reads per step)."""
+    runner: "RunnerTimings"
+    steps: int = 0
+    schedule: float = 0.0
+    execute: float = 0.0
+    update_and_output: float = 0.0   # token bookkeeping, detokenization, stop strings
+
+    def breakdown_ms(self) -> dict[str, float]:
+        """Mean milliseconds per step of each phase."""
+        n = max(self.steps, 1)
+        r = self.runner
+        return {"schedule": 1e3 * self.schedule / n, "prepare_inputs": 1e3 * r.prepare / n,
+                "forward": 1e3 * r.forward / n, "logits_and_sampling": 1e3 * r.sample / n,
+                "update_and_detokenize": 1e3 * self.update_and_output / n,
+                "total": 1e3 * (self.schedule + self.execute + self.update_and_output) / n}
+
+    def reset(self) -> None:
+        self.steps, self.schedule, self.execute, self.update_and_output = 0, 0.0, 0.0, 0.0
+        self.runner.prepare = self.runner.forward = self.runner.sample = 0.0
 
 
 class LLMEngine:
@@ -40,7 +65,9 @@ class LLMEngine:
             model = build_model(hf_config).to(self.dtype)
         model.load_weights(iter_weights(src, self.dtype))
         model.eval()
-        model.optimize_for(self.device, self.dtype)
+        if mc.quantization == "int8" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
+            raise ValueError("quantization='int8' needs dtype bfloat16 on the CPU")
+        model.optimize_for(self.device, self.dtype, mc.quantization)
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         arch = model.arch
@@ -51,6 +78,7 @@ class LLMEngine:
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self.timings = StepTimings(runner=self.runner.timings)
         logger.info("loaded %s (%s) in %.1fs", src.path, self.dtype, time.perf_counter() - t0)
 
     @classmethod
@@ -131,7 +159,17 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t = self.timings
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
         result = self.runner.execute(plan)
+        t2 = time.perf_counter()
         update = self.scheduler.update(plan, result)
-        return self.outputs.process(update)
+        outputs = self.outputs.process(update)
+        t3 = time.perf_counter()
+        t.steps += 1
+        t.schedule += t1 - t0
+        t.execute += t2 - t1
+        t.update_and_output += t3 - t2
+        return outputs

@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and KV cache dtype; auto = bfloat16 where the CPU has avx512_bf16")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 linear layers (bfloat16, CPU); faster single-stream decode")
     g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")
@@ -30,6 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                quantization=args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching)

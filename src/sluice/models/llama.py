@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.models.linear import Linear, can_prepack, prepack_linears, prepack_weight
+from sluice.models.linear import (INT8_MAX_ROWS, Linear, can_prepack, prepack_linears, prepack_weight,
+                                  quantize_int8, quantize_per_channel)
 from sluice.worker.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -179,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self._packed_embedding: torch.Tensor | None = None
+        self._int8_head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
@@ -198,12 +200,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self._int8_head is not None and hidden.shape[0] <= INT8_MAX_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(hidden, *self._int8_head)
         if self._packed_embedding is not None:
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_embedding, None, "none", [], "")
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def optimize_for(self, device: torch.device, dtype: torch.dtype) -> None:
-        """After loading: prepack weights where the device has a faster form."""
+    def optimize_for(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> None:
+        """After loading: quantize if asked, then prepack weights where the device has a faster form."""
+        if quantization == "int8":
+            quantize_int8(self, dtype)
+            if self.lm_head is None:
+                # Tied head: an int8 copy for the head; the embedding table stays as loaded.
+                q, scale = quantize_per_channel(self.model.embed_tokens.weight)
+                self._int8_head = (q, scale.to(dtype))
+        elif quantization is not None:
+            raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
         if can_prepack(device, dtype):
             prepack_linears(self)
             if self.lm_head is None:  # tied head: a packed copy beside the embedding table

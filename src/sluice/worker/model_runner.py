@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,13 @@ logger = logging.getLogger(__name__)
 def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+@dataclass
+class RunnerTimings:
+    prepare: float = 0.0   # plan -> flat tensors
+    forward: float = 0.0   # the model over the flat batch
+    sample: float = 0.0    # LM head, sampling, the host sync
 
 
 class ModelRunner:
@@ -43,7 +51,7 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.vocab_size = self.arch.vocab_size
-        self.last_step_seconds = 0.0
+        self.timings = RunnerTimings()
 
     # -- inputs ---------------------------------------------------------------
     def _prepare(self, plan: StepPlan):
@@ -166,7 +174,9 @@ class ModelRunner:
             return StepResult({})
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_rows = self._prepare(plan)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        t2 = time.perf_counter()
         entries = [e for e in plan.scheduled if e.needs_logits]
         sampled: dict[str, SampledToken] = {}
         if entries:
@@ -183,5 +193,8 @@ class ModelRunner:
                     top = [(lp_ids[i][j], lps[i][j], j) for j in range(1, k + 1)]
                     lp = [(token_ids[i], lps[i][0], ranks[i])] + top
                 sampled[e.request_id] = SampledToken(token_ids[i], lp)
-        self.last_step_seconds = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += t2 - t1
+        self.timings.sample += t3 - t2
         return StepResult(sampled)
