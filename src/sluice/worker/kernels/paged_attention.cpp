@@ -37,6 +37,48 @@ inline __m512 load16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// exp for 16 lanes: 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2, 2^f by its degree-6 Taylor
+// polynomial (relative error ~1e-7, below float32's own rounding of the softmax sum).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In-place softmax of n floats.
+inline void softmax16(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+  float m = _mm512_reduce_max_ps(mx);
+  for (int64_t j = i; j < n; ++j) m = std::max(m, s[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  for (; i < n; ++i) s[i] *= _mm512_cvtss_f32(inv);
+}
+
 constexpr int kMaxGroup = 8;    // query heads per kv head handled in registers
 constexpr int kMaxChunks = 8;   // head_dim / 16
 #endif
@@ -75,6 +117,11 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
     }
   }
   // Softmax per query head, in float32.
+#if defined(__AVX512F__)
+  if (fast) {
+    for (int64_t g = 0; g < group; ++g) softmax16(scores + g * len, len);
+  } else
+#endif
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * len;
     float mx = -std::numeric_limits<float>::infinity();
