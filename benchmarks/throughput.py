@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
-    engine = LLMEngine.from_kwargs(model=args.model, dtype=args.dtype, max_num_seqs=args.batch)
+    # Prefix caching off: every mode runs the same prompts, and later modes must not find
+    # the earlier ones' prompts cached. This benchmark compares scheduling, not caching.
+    engine = LLMEngine.from_kwargs(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
+                                   enable_prefix_caching=False)
     prompts = make_prompts(engine.tokenizer, args.requests, args.min_input, args.max_input, args.seed)
     rng = random.Random(args.seed + 1)
     out_lens = [rng.randint(16, 512) if args.mixed_output else args.output_len for _ in prompts]

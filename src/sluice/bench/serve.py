@@ -10,6 +10,7 @@ JSON, and plots throughput and latency against concurrency.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import statistics
@@ -143,12 +144,17 @@ async def open_loop(url, model, prompts, output_len, rate, seed, api_key) -> Run
     return summarize(results, duration, None, rate)
 
 
-def make_text_prompts(tokenizer_model: str, n: int, input_len: int, seed: int) -> list[str]:
-    from sluice.bench.workload import make_prompts
+@functools.lru_cache(maxsize=None)
+def _tokenizer(model: str):
     from sluice.models.loader import load_hf_config, resolve_model
     from sluice.tokenizer import Tokenizer
-    src = resolve_model(tokenizer_model)
-    tok = Tokenizer.load(src, load_hf_config(src))
+    src = resolve_model(model)
+    return Tokenizer.load(src, load_hf_config(src))
+
+
+def make_text_prompts(tokenizer_model: str, n: int, input_len: int, seed: int) -> list[str]:
+    from sluice.bench.workload import make_prompts
+    tok = _tokenizer(tokenizer_model)
     lo, hi = max(1, int(input_len * 0.9)), int(input_len * 1.1) + 1
     return [tok.decode(ids) for ids in make_prompts(tok, n, lo, hi, seed)]
 
@@ -183,9 +189,11 @@ def run(args) -> int:
     counts = args.requests if len(args.requests) > 1 else args.requests * len(runs)
     if len(counts) != len(runs):
         raise ValueError(f"--requests has {len(counts)} values for {len(runs)} runs")
-    prompts = make_text_prompts(args.tokenizer, max(counts), args.input_len, args.seed)
     summaries = []
-    for x, n in zip(runs, counts):
+    for i, (x, n) in enumerate(zip(runs, counts)):
+        # Fresh prompts for every run, so a server's prefix cache cannot serve one run's
+        # prompts from an earlier run.
+        prompts = make_text_prompts(args.tokenizer, n, args.input_len, args.seed + 1000 * i)
         if args.request_rate:
             s = asyncio.run(open_loop(url, args.model, prompts[:n], args.output_len, x, args.seed, args.api_key))
         else:

@@ -55,7 +55,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's cached K/V."""
-    out = torch.empty_like(q)
+    # Zeros, not empty: rows that pad a bucketed batch are attended by nobody and must stay finite.
+    out = torch.zeros_like(q)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     if meta.decode_token_idx is not None and meta.decode_kernel is not None:
         qd = q.index_select(0, meta.decode_token_idx)

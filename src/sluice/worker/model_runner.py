@@ -29,6 +29,18 @@ class RunnerTimings:
     sample: float = 0.0    # LM head, sampling, the host sync
 
 
+def bucket(n: int) -> int:
+    """Round a batch's row count up to one of a few sizes. oneDNN builds a kernel per new
+    matrix shape (~1 ms per linear layer, 100+ ms per step: measured), and continuous
+    batching would otherwise see a new row count almost every step."""
+    if n <= 4:
+        return n
+    for limit, step in ((64, 8), (512, 32)):
+        if n <= limit:
+            return -(-n // step) * step
+    return -(-n // 128) * 128
+
+
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
                  use_kernels: bool = True):
@@ -39,7 +51,9 @@ class ModelRunner:
         self.block_size = cache.block_size
         per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype)
         self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
-        shape = (self.arch.num_kv_heads, self.num_blocks, cache.block_size, self.arch.head_dim)
+        # One extra block past the pool: padding rows of a bucketed batch write their K/V there.
+        self.scratch_slot = self.num_blocks * cache.block_size
+        shape = (self.arch.num_kv_heads, self.num_blocks + 1, cache.block_size, self.arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(self.arch.num_layers)]
@@ -93,6 +107,13 @@ class ModelRunner:
                 n_blocks = -(-seq_len // bs)
                 prefills.append(PrefillChunk(start, end, e.start_pos, seq_len,
                                              torch.tensor(blocks[:n_blocks], device=dev), mask))
+        num_tokens = len(input_ids)
+        pad = bucket(num_tokens) - num_tokens
+        if pad:
+            input_ids.extend([0] * pad)
+            positions.extend([0] * pad)
+            slots.extend([self.scratch_slot] * pad)
+        logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
         decode_idx = decode_bt = decode_mask = d_lens = None
         if decode_rows:
@@ -180,7 +201,8 @@ class ModelRunner:
         entries = [e for e in plan.scheduled if e.needs_logits]
         sampled: dict[str, SampledToken] = {}
         if entries:
-            logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+            # logits_rows is padded to a bucket too; the extra rows repeat the first one.
+            logits = self.model.compute_logits(hidden.index_select(0, logits_rows))[:len(entries)]
             out = self.sampler(logits, self._sampling_metadata(entries))
             # The one host sync of the step.
             token_ids = out.token_ids.tolist()
