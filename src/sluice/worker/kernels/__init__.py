@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -15,6 +18,11 @@ _DIR = Path(__file__).resolve().parent
 
 @functools.lru_cache(maxsize=None)
 def load():
+    # torch runs `ninja` from PATH; the pip-installed one sits beside the interpreter,
+    # which is not on PATH when the venv is used without being activated.
+    bindir = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load as load_extension
         return load_extension(
