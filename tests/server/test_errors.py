@@ -125,3 +125,11 @@ def test_bad_requests_do_not_disturb_others(client, server):
                                       extra_body={"ignore_eos": True}).choices[0].text
     assert again == good
     wait_all_blocks_free(server.llm)
+
+
+def test_one_bad_prompt_in_a_list_rejects_all_and_leaks_nothing(server):
+    limit = server.llm.max_model_len
+    r = post(server.url, "/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7], [5] * (limit + 1)],
+                                             "max_tokens": 50, "ignore_eos": True})
+    assert_error(r, 400, fragment="max_model_len")
+    wait_all_blocks_free(server.llm)

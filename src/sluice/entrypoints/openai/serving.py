@@ -73,20 +73,26 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
 
     async def _start(self, base_id: str, prompts: list, params: SamplingParams, salt: str | None) -> _Started:
-        started = _Started([], [], [])
+        # All prompts are handed to the engine at once (it takes commands between steps,
+        # so adding them one after another would cost a step each).
+        rids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        started = _Started(rids, [], [])
         try:
-            for i, prompt in enumerate(prompts):
-                rid = f"{base_id}-{i}"
-                ids, stream = await self.engine.add_request(rid, prompt, params, cache_salt=salt)
-                started.request_ids.append(rid)
-                started.prompt_ids.append(ids)
-                started.streams.append(stream)
-        except ValueError as e:
-            self._abort(started)
-            raise from_value_error(e) from None
+            results = await asyncio.gather(
+                *(self.engine.add_request(rid, p, params, cache_salt=salt) for rid, p in zip(rids, prompts)),
+                return_exceptions=True)
         except BaseException:
             self._abort(started)
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self._abort(started)  # aborting a request that was never added is a no-op
+            if isinstance(errors[0], ValueError):
+                raise from_value_error(errors[0]) from None
+            raise errors[0]
+        for ids, stream in results:
+            started.prompt_ids.append(ids)
+            started.streams.append(stream)
         return started
 
     def _abort(self, started: _Started) -> None:
