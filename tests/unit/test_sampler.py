@@ -103,7 +103,7 @@ def test_seeded_rows_depend_only_on_seed_and_position():
     m.generators = [None, seeded_generator(42, 10, torch.device("cpu")), None]
     a = sampler(logits.clone(), m).token_ids[1]
     draws = set()
-    for other in range(20):
+    for _ in range(20):
         m2 = meta_for([params[0]] * 2)
         m2.top_k = m2.top_p = m2.min_p = None
         m2.generators = [None, seeded_generator(42, 10, torch.device("cpu"))]

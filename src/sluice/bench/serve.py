@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

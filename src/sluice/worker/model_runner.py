@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.config import CacheConfig
+from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.worker import kernels
 from sluice.worker.attention import AttentionMetadata, PrefillChunk
@@ -37,8 +38,8 @@ def bucket(n: int) -> int:
         return n
     for limit, step in ((64, 8), (512, 32)):
         if n <= limit:
-            return -(-n // step) * step
-    return -(-n // 128) * 128
+            return cdiv(n, step) * step
+    return cdiv(n, 128) * 128
 
 
 class ModelRunner:
@@ -80,7 +81,9 @@ class ModelRunner:
         decode_reqs: list[int] = []
         prefills: list[PrefillChunk] = []
         max_blocks = max(len(e.block_ids) for e in plan.scheduled)
-        block_tables = torch.zeros((len(plan.scheduled), max_blocks), dtype=torch.long)
+        # One tensor built from padded lists: a per-request copy would be B small ops per step.
+        block_tables = torch.tensor([e.block_ids + [0] * (max_blocks - len(e.block_ids)) for e in plan.scheduled],
+                                    dtype=torch.long)
         for i, e in enumerate(plan.scheduled):
             q = len(e.token_ids)
             start, end = query_start[-1], query_start[-1] + q
@@ -92,7 +95,6 @@ class ModelRunner:
             query_start.append(end)
             seq_len = e.start_pos + q
             seq_lens.append(seq_len)
-            block_tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
             if e.needs_logits:
                 logits_rows.append(end - 1)
             if q == 1:
@@ -104,7 +106,7 @@ class ModelRunner:
                     # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
                     qpos = torch.arange(e.start_pos, seq_len)[:, None]
                     mask = (torch.arange(seq_len)[None, :] <= qpos).to(dev)
-                n_blocks = -(-seq_len // bs)
+                n_blocks = cdiv(seq_len, bs)
                 prefills.append(PrefillChunk(start, end, e.start_pos, seq_len,
                                              torch.tensor(blocks[:n_blocks], device=dev), mask))
         num_tokens = len(input_ids)
@@ -119,7 +121,7 @@ class ModelRunner:
         if decode_rows:
             sel = torch.tensor(decode_reqs, dtype=torch.long)
             d_lens = seq_lens_t[sel]
-            n_blocks = int(-(-int(d_lens.max()) // bs))
+            n_blocks = cdiv(int(d_lens.max()), bs)
             decode_bt = block_tables[sel, :n_blocks].to(dev)
             if self.decode_kernel is None:
                 decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[None, :, None, :].to(dev)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from sluice.engine.async_engine import AsyncEngine
@@ -17,7 +17,7 @@ from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id)
-from sluice.outputs import CompletionOutput, RequestOutput
+from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 
 
