@@ -48,6 +48,9 @@ class ModelConfig:
     seed: int = 0
     # None, or "int8": weight-only int8 linear layers (CPU, bfloat16 activations).
     quantization: str | None = None
+    # Batch-invariant kernels: a request's tokens and logprobs are bitwise the same
+    # whatever shares its batch (docs/determinism.md).
+    deterministic: bool = False
 
 
 @dataclass

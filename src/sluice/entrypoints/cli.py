@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step (default 2048)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse cached KV blocks of repeated prompt prefixes")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
+                        "whatever else shares its batch (docs/determinism.md)")
 
 
 def engine_kwargs(args) -> dict:
@@ -35,7 +38,7 @@ def engine_kwargs(args) -> dict:
                 quantization=args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

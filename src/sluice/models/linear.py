@@ -7,7 +7,9 @@
   Rows of a step at most INT8_MAX_ROWS use torch's int8 weight-pack matmul, which reads
   half the bytes (the single-stream case is memory-bound); bigger batches use the
   dequantized weight through the packed bf16 path, so every row sees the same int8 weights.
-Numerics are unchanged where neither is used: float32 and GPU keep plain F.linear.
+- a batch-invariant kernel (deterministic mode, `enable_batch_invariant`): worker/kernels'
+  bi_linear, whose every output is reduced over K in one fixed order whatever the row count.
+Numerics are unchanged where none is used: float32 and GPU keep plain F.linear.
 """
 from __future__ import annotations
 
@@ -24,8 +26,12 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     qweight: torch.Tensor | None = None   # int8 [out, in]
     qscale: torch.Tensor | None = None    # [out], in the activation dtype
+    bi_kernels: object | None = None      # deterministic mode: the kernel module ...
+    bi_packed: torch.Tensor | None = None  # ... and the weight packed for it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bi_packed is not None:
+            return self.bi_kernels.bi_linear(x, self.bi_packed, self.out_features, self.bias)
         if self.qweight is not None and x.shape[0] <= INT8_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscale)
             return y if self.bias is None else y + self.bias
@@ -73,5 +79,18 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype) -> int:
             q, scale = quantize_per_channel(module.weight)
             module.qweight, module.qscale = q, scale.to(dtype)
             module.weight.copy_((q.float() * scale[:, None]).to(module.weight.dtype))
+            n += 1
+    return n
+
+
+@torch.no_grad()
+def enable_batch_invariant_linears(model: nn.Module, kernels) -> int:
+    """Route every Linear through the batch-invariant kernel (deterministic mode). An int8
+    model keeps its dequantized weights, so both modes see the same weight values."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.bi_kernels, module.bi_packed = kernels, kernels.bi_pack_weight(module.weight.detach())
+            module.packed = module.qweight = module.qscale = None
             n += 1
     return n

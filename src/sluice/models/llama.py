@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.models.linear import (INT8_MAX_ROWS, Linear, can_prepack, prepack_linears, prepack_weight,
-                                  quantize_int8, quantize_per_channel)
+from sluice.models.linear import (INT8_MAX_ROWS, Linear, can_prepack, enable_batch_invariant_linears,
+                                  prepack_linears, prepack_weight, quantize_int8, quantize_per_channel)
 from sluice.worker.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -88,12 +88,16 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    bi_kernels: object | None = None  # deterministic mode: the batch-invariant kernels
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bi_kernels is not None:
+            return self.bi_kernels.bi_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -134,6 +138,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    bi_kernels: object | None = None
+
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
@@ -141,6 +147,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.bi_kernels is not None:
+            return self.down_proj(self.bi_kernels.bi_silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -181,8 +189,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self._packed_embedding: torch.Tensor | None = None
         self._int8_head: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._bi_head: torch.Tensor | None = None  # deterministic mode, tied head
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bi_kernels = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self._rope_table is not None:
+            cos, sin = self._rope_table
+            return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
         freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         # [T, 1, D]: broadcast over heads; computed in fp32, applied in the model dtype.
@@ -198,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.bi_kernels is not None:  # float32 logits, fixed reduction order per row
+            head = self._bi_head if self.lm_head is None else self.lm_head.bi_packed
+            return self.bi_kernels.bi_linear(hidden, head, self.arch.vocab_size, None, True)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self._int8_head is not None and hidden.shape[0] <= INT8_MAX_ROWS:
@@ -206,8 +223,11 @@ class LlamaForCausalLM(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_embedding, None, "none", [], "")
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def optimize_for(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> None:
-        """After loading: quantize if asked, then prepack weights where the device has a faster form."""
+    def optimize_for(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+                     batch_invariant_kernels=None, max_positions: int | None = None) -> None:
+        """After loading: quantize if asked, then prepack weights where the device has a faster
+        form, or, given the batch-invariant kernels (deterministic mode), route every
+        reduction through them."""
         if quantization == "int8":
             quantize_int8(self, dtype)
             if self.lm_head is None:
@@ -216,10 +236,30 @@ class LlamaForCausalLM(nn.Module):
                 self._int8_head = (q, scale.to(dtype))
         elif quantization is not None:
             raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
-        if can_prepack(device, dtype):
+        if batch_invariant_kernels is not None:
+            self._enable_batch_invariant(batch_invariant_kernels, dtype,
+                                         max_positions or self.arch.max_position_embeddings)
+        elif can_prepack(device, dtype):
             prepack_linears(self)
             if self.lm_head is None:  # tied head: a packed copy beside the embedding table
                 self._packed_embedding = prepack_weight(self.model.embed_tokens.weight)
+
+    @torch.no_grad()
+    def _enable_batch_invariant(self, k, dtype: torch.dtype, max_positions: int) -> None:
+        enable_batch_invariant_linears(self, k)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.bi_kernels = k
+        self.bi_kernels = k
+        self._int8_head = None
+        if self.lm_head is None:
+            self._bi_head = k.bi_pack_weight(self.model.embed_tokens.weight.detach())
+        # One cos/sin table for every position, built once: computing them per batch runs
+        # cos/sin over a tensor whose length depends on the batch, and vectorised and
+        # scalar-tail elements of such kernels may round differently.
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        cos, sin = self.rope(positions, dtype)
+        self._rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

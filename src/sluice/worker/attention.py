@@ -7,7 +7,8 @@ are read only through block tables. Decode tokens (one query each) go through th
 kernel in worker/kernels where it is built (it walks block tables in place), else through
 two batched matmuls over their gathered blocks; each prefill chunk runs one
 scaled_dot_product_attention call with a causal mask offset by the tokens it already has
-in the cache.
+in the cache. In deterministic mode every token goes through one C++ routine instead
+(paged_attention_varlen), so a token's output does not depend on how it was batched.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # The compiled CPU decode kernel (worker/kernels), or None for the torch path.
     decode_kernel: object | None = None
+    # Deterministic mode: the kernels whose paged_attention_varlen computes every token,
+    # prefill or decode, through one per-token routine (batch-invariant).
+    batch_invariant_kernels: object | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -55,6 +59,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's cached K/V."""
+    if meta.batch_invariant_kernels is not None:
+        return meta.batch_invariant_kernels.paged_attention_varlen(
+            q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
     # Zeros, not empty: rows that pad a bucketed batch are attended by nobody and must stay finite.
     out = torch.zeros_like(q)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]

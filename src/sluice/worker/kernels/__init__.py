@@ -27,7 +27,7 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
         return load_extension(
             name="sluice_cpu_kernels",
-            sources=[str(_DIR / "paged_attention.cpp")],
+            sources=[str(_DIR / "paged_attention.cpp"), str(_DIR / "batch_invariant.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -35,3 +35,19 @@ def load():
     except Exception as e:  # no compiler, no ninja, unsupported platform
         logger.warning("C++ kernels unavailable (%s); using the torch fallback", e)
         return None
+
+
+def batch_invariant(device, dtype):
+    """The kernels deterministic mode needs, or a ValueError that says why they are missing."""
+    import torch
+    if device.type != "cpu":
+        raise ValueError(f"deterministic mode runs on the CPU; its batch-invariant kernels "
+                         f"have no {device.type} build yet")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"deterministic mode supports float32 and bfloat16, not {dtype}")
+    mod = load()
+    if mod is None:
+        raise ValueError("deterministic mode needs the C++ kernels, which failed to build (see the log)")
+    if not getattr(mod, "has_batch_invariant", False):
+        raise ValueError("deterministic mode needs a CPU with AVX-512 BF16; this one lacks it")
+    return mod

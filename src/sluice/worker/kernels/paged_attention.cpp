@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -223,6 +224,82 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// Attention for every token of a flat batch, prefill chunks and decodes alike: token t of
+// a request whose context after this step is L and which computes q tokens here sits at
+// position L - q + i and attends keys 0..that position. Each (token, kv head) runs the
+// same attend_one as a decode would, so a token's output is the same bits whether it is
+// computed in a prompt chunk of any size or as a decode step, and whatever else shares
+// the batch: the batch-invariant attention of deterministic mode. Rows past the last
+// request (padding) come out as zeros.
+torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor query_start,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [tokens, heads, dim], cache [kv_heads, blocks, block, dim]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads not a multiple of kv heads");
+  auto bt = block_tables.to(torch::kInt64).contiguous();
+  auto qs = query_start.to(torch::kInt64).contiguous();
+  auto lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t num_reqs = lens.size(0), T = q.size(0);
+  TORCH_CHECK(qs.size(0) == num_reqs + 1 && bt.size(0) == num_reqs, "one block table and length per request");
+  const int64_t* qsp = qs.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(qsp[num_reqs] <= T, "query_start past the batch");
+  // Per token: its request and its context length (position + 1).
+  std::vector<int64_t> tok_req(T, -1), tok_len(T, 0);
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t q_len = qsp[b + 1] - qsp[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lp[b], "request computes more tokens than its context");
+    for (int64_t i = 0; i < q_len; ++i) {
+      tok_req[qsp[b] + i] = b;
+      tok_len[qsp[b] + i] = lp[b] - q_len + i + 1;
+    }
+  }
+  auto out = torch::zeros_like(q);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = bt.size(1);
+  const float fscale = static_cast<float>(scale);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    using T_ = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    const int64_t* btp = bt.data_ptr<int64_t>();
+    at::parallel_for(0, T * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t t = work / num_kv_heads, h = work % num_kv_heads;
+        if (tok_req[t] < 0) continue;
+        const int64_t len = tok_len[t];
+        scores.resize(group * len);
+        for (int64_t g = 0; g < group; ++g) {
+          const T_* src = qp + (t * num_heads + h * group + g) * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
+        }
+        attend_one(qf.data(), kp + h * num_blocks * block_size * head_dim, vp + h * num_blocks * block_size * head_dim,
+                   btp + tok_req[t] * max_blocks, len, block_size, group, head_dim, scores.data(), acc.data());
+        for (int64_t g = 0; g < group; ++g) {
+          T_* dst = op + (t * num_heads + h * group + g) * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T_>(acc[g * head_dim + i]);
+        }
+      }
+    });
+  };
+  if (q.scalar_type() == torch::kFloat32) {
+    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+        out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "paged_attention_varlen supports float32 and bfloat16");
+  }
+  return out;
+}
+
+void register_batch_invariant(pybind11::module& m);  // batch_invariant.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_attention_varlen", &paged_attention_varlen,
+        "attention for every token of a flat batch over a paged KV cache, prefill and decode alike (CPU)");
+  register_batch_invariant(m);
 }
