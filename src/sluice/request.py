@@ -55,6 +55,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # Per output token: {token_id: Logprob} with the chosen token and the top-N.
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # Per prompt position: {token_id: Logprob} with the prompt token and the top-N, stored
+        # by position (the first has none), so a recomputed chunk cannot add entries twice.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
+        # Logits positions 0 .. num_prompt_logprobs - 1 have been scored (always a prefix).
+        self.num_prompt_logprobs = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -70,6 +76,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: every prompt token must be
+        run through the model, so no cached prefix may be read."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

@@ -100,8 +100,11 @@ class KVCacheManager:
     # -- allocation -----------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Cached blocks matching the start of a request that holds no blocks yet. The
-        last token is always left to compute, so the request gets logits."""
-        if not self._hashing(request) or self.req_blocks.get(request.request_id):
+        last token is always left to compute, so the request gets logits. A request that
+        still needs prompt logprobs reads none: it must compute every prompt token (it still
+        names its own blocks for others)."""
+        if (not self._hashing(request) or self.req_blocks.get(request.request_id)
+                or request.needs_prompt_logprobs):
             return _NO_PREFIX
         usable = (request.num_tokens - 1) // self.block_size
         found: list[KVBlock] = []

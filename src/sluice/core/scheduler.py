@@ -34,6 +34,9 @@ class ScheduledRequest:
     output_token_ids: list[int]
     # Token ids to forbid this step (EOS and stop ids while min_tokens is unmet).
     banned_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs due this step: logits positions [lo, hi) of this chunk, each scoring
+    # the prompt token after it (prompt_token_ids[p + 1]); None when none are due.
+    prompt_logprob_positions: tuple[int, int] | None = None
 
 
 @dataclass
@@ -56,8 +59,17 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprobs from one step: entries[j] scores prompt token start + j + 1, as
+    (token_id, logprob, rank) with the prompt token first, then the top-N."""
+    start: int
+    entries: list[list[tuple[int, float, int]]]
+
+
+@dataclass
 class StepResult:
     sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,6 +165,13 @@ class Scheduler:
         banned: list[int] = []
         if needs_logits and req.num_output_tokens < req.params.min_tokens:
             banned = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
+        prompt_lp = None
+        if req.needs_prompt_logprobs:
+            # Positions already scored (before a preemption, say) are not scored again.
+            lo = max(start, req.num_prompt_logprobs)
+            hi = min(start + n, req.num_prompt_tokens - 1)
+            if lo < hi:
+                prompt_lp = (lo, hi)
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.token_ids_slice(start, start + n),
@@ -163,6 +182,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             banned_token_ids=banned,
+            prompt_logprob_positions=prompt_lp,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -184,6 +204,9 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(entry.token_ids)
+            plp = result.prompt_logprobs.get(entry.request_id)
+            if plp is not None and req.prompt_logprobs is not None:
+                self._store_prompt_logprobs(req, plp)
             if not entry.needs_logits:
                 continue
             sampled = result.sampled[entry.request_id]
@@ -197,6 +220,14 @@ class Scheduler:
                 self._remove_finished(req)
                 finished.append(req)
         return StepUpdate(with_new_token, finished)
+
+    @staticmethod
+    def _store_prompt_logprobs(req: Request, plp: PromptLogprobs) -> None:
+        # By position: a chunk computed twice overwrites, never appends.
+        for j, entry in enumerate(plp.entries):
+            req.prompt_logprobs[plp.start + j + 1] = {tid: Logprob(lp, rank) for tid, lp, rank in entry}
+        if plp.start <= req.num_prompt_logprobs:
+            req.num_prompt_logprobs = max(req.num_prompt_logprobs, plp.start + len(plp.entries))
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request now (abort, or a stop string found in its text); its blocks are freed."""

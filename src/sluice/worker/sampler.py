@@ -45,33 +45,43 @@ class SamplerOutput:
     ranks: torch.Tensor | None          # [B] rank of the chosen token
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of given tokens under raw logits, row by row: float32 logits ->
+    torch.log_softmax over the vocabulary; the token's logprob and rank (1 + the count of
+    logprobs strictly greater) and, for k > 0, the top k. Returns ids [R, 1 + k] and
+    logprobs [R, 1 + k] (the token first, then the top k) and ranks [R].
+
+    The one place logprobs are computed, for sampled tokens and prompt tokens alike, so
+    scoring a generated sequence as a prompt repeats the very same arithmetic."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        return torch.cat([token_ids[:, None], top_ids], dim=1), torch.cat([chosen, top_lp], dim=1), ranks
+    return token_ids[:, None], chosen, ranks
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
-        # Logprobs describe the model's own distribution, before any sampling transform.
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+        # Logprobs describe the model's own distribution, before any sampling transform:
+        # every transform below leaves raw_logits as it is.
+        raw_logits = logits = logits.float()
         if meta.banned is not None:
-            logits[meta.banned] = float("-inf")
+            logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample(logits, meta)
-        if raw_logprobs is None:
+        if meta.max_num_logprobs < 0:
             return SamplerOutput(token_ids, None, None, None)
-        chosen = raw_logprobs.gather(1, token_ids[:, None])
-        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-        k = meta.max_num_logprobs
-        if k > 0:
-            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
-            ids = torch.cat([token_ids[:, None], top_ids], dim=1)
-            lps = torch.cat([chosen, top_lp], dim=1)
-        else:
-            ids, lps = token_ids[:, None], chosen
+        ids, lps, ranks = token_logprobs(raw_logits, token_ids, meta.max_num_logprobs)
         return SamplerOutput(token_ids, ids, lps, ranks)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
