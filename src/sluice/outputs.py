@@ -37,6 +37,9 @@ class RequestOutput:
     finished: bool = False
     times: RequestTimes | None = None
     num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt
+    # token {token_id: Logprob} with that token and the top-N (shared by all n samples).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

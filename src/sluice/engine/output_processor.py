@@ -32,6 +32,7 @@ class _ParentState:
     prompt_token_ids: list[int]
     child_ids: list[str]
     finished_children: set[str] = field(default_factory=set)
+    prompt_logprobs: list | None = None   # complete and decoded; never changes after
 
 
 class OutputProcessor:
@@ -46,6 +47,10 @@ class OutputProcessor:
             children: list[Request]) -> None:
         self.parents[request_id] = _ParentState(request_id, prompt, prompt_token_ids,
                                                 [c.request_id for c in children])
+        # n > 1 samples share one prompt: the first computes and reports its logprobs; the
+        # others drop theirs, so they neither score the prompt nor refuse its cached blocks.
+        for child in children[1:]:
+            child.prompt_logprobs = None
         for i, child in enumerate(children):
             holdback = max((len(s) for s in child.params.stop), default=1) - 1
             self.samples[child.request_id] = _SampleState(
@@ -103,6 +108,26 @@ class OutputProcessor:
                 else:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
+    def _prompt_logprobs(self, parent: _ParentState, reqs: list[Request]) -> list | None:
+        """The prompt's logprobs, from the one sample that computes them (the first); once
+        complete they are decoded once and the same list is reported from then on."""
+        if parent.prompt_logprobs is not None:
+            return parent.prompt_logprobs
+        src = next((r for r in reqs if r.prompt_logprobs is not None), None)
+        if src is None:
+            return None
+        decoded: dict[int, str] = {}
+        for entry in src.prompt_logprobs:
+            for tid, lp in (entry or {}).items():
+                if lp.decoded_token is None:
+                    if tid not in decoded:
+                        decoded[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+                    lp.decoded_token = decoded[tid]
+        out = list(src.prompt_logprobs)
+        if not src.needs_prompt_logprobs:
+            parent.prompt_logprobs = out
+        return out  # partial (None where not computed) only if aborted during the prompt
+
     def _make_output(self, parent_id: str) -> RequestOutput:
         parent = self.parents[parent_id]
         outputs = []
@@ -123,7 +148,8 @@ class OutputProcessor:
             first_scheduled=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
             first_token=min((r.first_token_time for r in reqs if r.first_token_time), default=None))
         out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished, times,
-                            num_cached_tokens=max(r.num_cached_tokens for r in reqs))
+                            num_cached_tokens=max(r.num_cached_tokens for r in reqs),
+                            prompt_logprobs=self._prompt_logprobs(parent, reqs))
         if finished:
             for cid in parent.child_ids:
                 self.samples.pop(cid, None)
