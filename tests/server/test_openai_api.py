@@ -79,8 +79,11 @@ def test_prompt_forms_echo_and_logprobs(client, server):
     echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0, echo=True,
                                      logprobs=2, extra_body=GREEDY).choices[0]
     assert echo.text == "Hello there" + r.choices[0].text
-    assert len(echo.logprobs.tokens) == 4 and all(lp <= 0 for lp in echo.logprobs.token_logprobs)
-    assert all(len(t) == 2 for t in echo.logprobs.top_logprobs)
+    # Echoed prompt tokens carry logprobs too; the first has none (nothing precedes it).
+    assert len(echo.logprobs.tokens) == len(ids) + 4
+    assert echo.logprobs.token_logprobs[0] is None and echo.logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in echo.logprobs.token_logprobs[1:])
+    assert all(len(t) == 2 for t in echo.logprobs.top_logprobs[1:])
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2, extra_body=GREEDY)
     content = chat.choices[0].logprobs.content

@@ -40,6 +40,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     # Prefix-cache isolation: requests share cached blocks only with the same salt.
     cache_salt: str | None = None
+    # vLLM extension: logprob and rank of each prompt token, plus the top k per position.
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -82,12 +84,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: None for the first prompt token, then per token {token id: PromptLogprob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -133,6 +146,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

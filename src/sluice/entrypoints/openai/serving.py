@@ -16,15 +16,18 @@ from sluice.entrypoints.openai.errors import APIError, from_value_error
 from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id)
+    CompletionRequest, CompletionResponse, DeltaMessage, PromptLogprob, PromptTokensDetails, TopLogprob, UsageInfo,
+    random_id)
 from sluice.outputs import RequestOutput
+from sluice.request import Logprob
 from sluice.sampling_params import SamplingParams
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     kwargs = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
-                  min_tokens=req.min_tokens, logprobs=logprobs, stop=req.stop or [],
-                  stop_token_ids=req.stop_token_ids or [])
+                  min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  stop=req.stop or [], stop_token_ids=req.stop_token_ids or [])
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
@@ -34,6 +37,35 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def check_prompt_logprobs(req) -> int | None:
+    """As vLLM: in [0, 20] (20 as for logprobs), and not with stream=true when > 0. Returns
+    what the engine must compute: nothing when streaming, where prompt logprobs are not sent."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= 20:
+        raise APIError(400, f"prompt_logprobs must be in [0, 20], got {k}", param="prompt_logprobs")
+    if req.stream and k > 0:
+        raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+    return None if req.stream else k
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None, prompt_ids: list[int],
+                         k: int) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: None first, then per prompt token {token id: logprob, rank,
+    decoded token} with the prompt token and the top k."""
+    if entries is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = []
+    for tid, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                    for t, lp in entry.items() if t == tid or lp.rank <= k})
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
@@ -62,6 +94,7 @@ class _Progress:
     """What one choice has sent so far."""
     text_len: int = 0
     tokens: int = 0
+    echo_len: int = 0   # characters of echoed prompt before the completion text
     sent_role: bool = False
     done: bool = False
 
@@ -104,7 +137,10 @@ class OpenAIServing:
         prompts = normalize_prompts(req.prompt)
         if req.logprobs is not None and req.logprobs > 20:
             raise APIError(400, f"logprobs must be at most 20, got {req.logprobs}", param="logprobs")
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        prompt_lp = check_prompt_logprobs(req)
+        if req.echo and req.logprobs is not None and (prompt_lp is None or prompt_lp < req.logprobs):
+            prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
+        params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
         cid = random_id("cmpl")
         started = await self._start(cid, prompts, params, salt)
         if req.stream:
@@ -116,13 +152,20 @@ class OpenAIServing:
         choices, completion_tokens = [], 0
         for pi, (out, ids) in enumerate(zip(finals, started.prompt_ids)):
             prefix = self._prompt_text(prompts[pi], ids) if req.echo else ""
+            prompt_lps = (prompt_logprobs_json(out.prompt_logprobs, ids, req.prompt_logprobs)
+                          if req.prompt_logprobs is not None else None)
+            echo_lps = (self._completion_logprobs(out.prompt_logprobs, ids, 0, 0, req.logprobs)
+                        if req.echo and req.logprobs is not None else None)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._completion_logprobs(c.logprobs, c.token_ids, len(prefix), 0, req.logprobs)
+                    if echo_lps is not None:
+                        lp = _concat_logprobs(echo_lps, lp)
                 choices.append(CompletionChoice(
-                    index=pi * params.n + c.index, text=prefix + c.text,
-                    logprobs=self._completion_logprobs(c.logprobs, c.token_ids, len(prefix), 0, req.logprobs)
-                    if req.logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    index=pi * params.n + c.index, text=prefix + c.text, logprobs=lp,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_lps))
         prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
         return CompletionResponse(id=cid, model=self.model_name, choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens,
@@ -141,8 +184,10 @@ class OpenAIServing:
                     if p.done:
                         continue
                     prefix = ""
-                    if req.echo and not p.sent_role:
+                    echo = req.echo and not p.sent_role
+                    if echo:
                         prefix = self._prompt_text(normalize_prompts(req.prompt)[pi], started.prompt_ids[pi])
+                        p.echo_len = len(prefix)
                     p.sent_role = True
                     delta = prefix + c.text[p.text_len:]
                     new_tokens = c.token_ids[p.tokens:]
@@ -150,7 +195,11 @@ class OpenAIServing:
                         continue
                     lp = None
                     if req.logprobs is not None and new_tokens:
-                        lp = self._completion_logprobs(c.logprobs[p.tokens:], new_tokens, 0, p.text_len, req.logprobs)
+                        lp = self._completion_logprobs(c.logprobs[p.tokens:], new_tokens, 0,
+                                                       p.echo_len + p.text_len, req.logprobs)
+                        if echo:
+                            lp = _concat_logprobs(self._completion_logprobs(
+                                out.prompt_logprobs, started.prompt_ids[pi], 0, 0, req.logprobs), lp)
                     p.text_len, p.tokens = len(c.text), len(c.token_ids)
                     if c.finished:
                         p.done = True
@@ -174,13 +223,17 @@ class OpenAIServing:
                              top_n: int) -> CompletionLogprobs:
         out = CompletionLogprobs()
         pos = offset + text_start
+        # Prompt logprobs (echo) have None for the first token: no logprob, no top.
         for tid, entry in zip(token_ids, entries or []):
-            chosen = entry.get(tid)
+            chosen = entry.get(tid) if entry is not None else None
             tok = chosen.decoded_token if chosen else self.tokenizer.decode([tid], skip_special_tokens=False)
             out.tokens.append(tok)
             out.token_logprobs.append(chosen.logprob if chosen else None)
-            tops = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
-            out.top_logprobs.append({lp.decoded_token: lp.logprob for lp in tops})
+            if entry is None:
+                out.top_logprobs.append(None)
+            else:
+                tops = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
+                out.top_logprobs.append({lp.decoded_token: lp.logprob for lp in tops})
             out.text_offset.append(pos)
             pos += len(tok)
         return out
@@ -191,6 +244,7 @@ class OpenAIServing:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        prompt_lp = check_prompt_logprobs(req)
         messages = [chat_message(m) for m in req.messages]
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
@@ -203,7 +257,7 @@ class OpenAIServing:
             raise APIError(400, f"chat template failed: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, max_tokens, logprobs)
+        params = sampling_params(req, max_tokens, logprobs, prompt_lp)
         cid = random_id("chatcmpl")
         started = await self._start(cid, [prompt_ids], params, salt)
         if req.stream:
@@ -219,8 +273,11 @@ class OpenAIServing:
                    for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         prompt_tokens = len(started.prompt_ids[0])
+        prompt_lps = (prompt_logprobs_json(final.prompt_logprobs, started.prompt_ids[0], req.prompt_logprobs)
+                      if req.prompt_logprobs is not None else None)
         return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices,
-                                      usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens))
+                                      usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
+                                      prompt_logprobs=prompt_lps)
 
     async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
         progress: dict[int, _Progress] = {}
@@ -271,6 +328,12 @@ class OpenAIServing:
                 top_logprobs=[TopLogprob(token=t.decoded_token, logprob=t.logprob, bytes=list(t.decoded_token.encode()))
                               for t in tops]))
         return ChatLogprobs(content=content)
+
+
+def _concat_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs
+                              + b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs
+                              + b.top_logprobs)
 
 
 def normalize_prompts(prompt) -> list:
