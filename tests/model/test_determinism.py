@@ -1,0 +1,170 @@
+"""Deterministic mode: a request's tokens and logprobs are bitwise those of its solo run,
+whatever shares its steps, however its prompt is chunked, through preemption and
+recompute, with prefix-cache hits, and in another process. SmolLM2 in bfloat16, the
+default dtype, since that is what users run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sluice import LLMEngine, SamplingParams
+
+PROBES = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Explain in one paragraph why the sky is blue, as you would to a ten-year-old child who "
+    "has just asked you on a long car journey and will not accept a vague answer.",
+    "List three prime numbers greater than 100:",
+    "Translate to German: The weather is nice today and we are going to the park.",
+    " ".join(f"Item {i}: a line of an inventory of a hardware shop, bolts and nuts and screws." for i in range(12)),
+    "Once upon a time, in a village at the edge of a great forest, there lived",
+]
+WORDS = ("river stone market engine window garden silver theory quiet number paper storm "
+         "lantern orbit velvet harbor signal copper meadow riddle").split()
+
+
+def probe_params(i: int, seeded: bool) -> SamplingParams:
+    if seeded:
+        return SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=10, logprobs=3)
+    return SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
+
+
+def signature(output) -> tuple:
+    """Tokens and every reported logprob, as exact floats."""
+    o = output.outputs[0]
+    lps = tuple(tuple(sorted((t, lp.logprob, lp.rank) for t, lp in step.items())) for step in o.logprobs)
+    return tuple(o.token_ids), lps
+
+
+def run_alone(engine: LLMEngine, rid: str, prompt: str, params: SamplingParams):
+    engine.scheduler.config.max_num_batched_tokens = 2048
+    engine.add_request(rid, prompt, params)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out = o
+    return out
+
+
+def run_trial(engine: LLMEngine, rng: random.Random, trial: int):
+    """2-4 probes (greedy or seeded) among 0-31 neighbours, everyone arriving at a random
+    step, under a random step budget. Returns {probe key: output} and probe outputs'
+    cached-token counts."""
+    engine.scheduler.config.max_num_batched_tokens = rng.choice([24, 48, 64, 128, 512, 2048])
+    arrivals = []
+    for i in rng.sample(range(len(PROBES)), rng.randint(2, 4)):
+        seeded = rng.random() < 0.5
+        arrivals.append((rng.randint(0, 12), f"t{trial}-probe{i}-{int(seeded)}", PROBES[i], probe_params(i, seeded)))
+    for j in range(rng.randint(0, 31)):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+        if rng.random() < 0.4:  # shares a probe's prefix: prefix-cache hits both ways
+            text = rng.choice(PROBES)[: rng.randint(10, 120)] + " " + text
+        params = rng.choice([
+            SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24)),
+            SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 24), logprobs=1),
+            SamplingParams(temperature=0.7, seed=rng.randint(0, 99), max_tokens=rng.randint(1, 24)),
+        ])
+        arrivals.append((rng.randint(0, 30), f"t{trial}-n{j}", text, params))
+    arrivals.sort(key=lambda a: a[0])
+    outputs, step = {}, 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid, prompt, params = arrivals.pop(0)
+            engine.add_request(rid, prompt, params)
+        for o in engine.step():
+            if o.finished and "probe" in o.request_id:
+                outputs[o.request_id.split("-", 1)[1]] = o
+        step += 1
+    return outputs
+
+
+def solo_signatures(engine: LLMEngine) -> dict[str, tuple]:
+    engine.reset_prefix_cache()
+    return {f"probe{i}-{int(s)}": signature(run_alone(engine, f"solo{i}-{int(s)}", p, probe_params(i, s)))
+            for i, p in enumerate(PROBES) for s in (False, True)}
+
+
+def crowd_mismatches(engine: LLMEngine, solo: dict[str, tuple], trials: int, seed: int) -> tuple[int, int, int]:
+    """(probe runs, probe runs that differ from solo, probe runs with prefix-cache hits)."""
+    rng = random.Random(seed)
+    runs = differ = cached = 0
+    for trial in range(trials):
+        for key, out in run_trial(engine, rng, trial).items():
+            runs += 1
+            differ += signature(out) != solo[key]
+            cached += out.num_cached_tokens > 0
+    return runs, differ, cached
+
+
+@pytest.fixture(scope="module")
+def det_engine():
+    # 40 blocks of 16 tokens: a crowd of 30 overflows it, forcing preemption and recompute.
+    return LLMEngine.from_kwargs(deterministic=True, num_blocks=40, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def det_solo(det_engine):
+    return solo_signatures(det_engine)
+
+
+def test_probes_bitwise_equal_to_solo_in_random_crowds(det_engine, det_solo):
+    preempted_before = det_engine.scheduler.num_preemptions
+    runs, differ, cached = crowd_mismatches(det_engine, det_solo, trials=20, seed=0)
+    assert runs >= 40
+    assert differ == 0, f"{differ} of {runs} probe runs differ from their solo run"
+    # The conditions the guarantee covers really happened.
+    assert det_engine.scheduler.num_preemptions > preempted_before
+    assert cached > 0
+    kv = det_engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_default_mode_is_not_batch_invariant_report(record_property):
+    """The same experiment in the default mode, reported rather than asserted: nothing
+    promises it differs, only that it may."""
+    engine = LLMEngine.from_kwargs(num_blocks=40, max_model_len=512)
+    solo = solo_signatures(engine)
+    runs, differ, _ = crowd_mismatches(engine, solo, trials=4, seed=0)
+    record_property("default_mode_probe_runs_differing", f"{differ}/{runs}")
+    print(f"default mode: {differ} of {runs} probe runs differ bitwise from their solo run")
+    assert runs > 0
+
+
+def test_same_bits_in_another_process(det_engine, det_solo):
+    code = textwrap.dedent(f"""
+        import json
+        from sluice import LLMEngine
+        from tests.model.test_determinism import PROBES, probe_params, run_alone, signature
+        e = LLMEngine.from_kwargs(deterministic=True, num_blocks=40, max_model_len=512)
+        out = {{s: signature(run_alone(e, "x", PROBES[3], probe_params(3, s == "1"))) for s in ("0", "1")}}
+        print(json.dumps({{s: [list(sig[0]), [[list(x) for x in step] for step in sig[1]]]
+                          for s, sig in out.items()}}))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    for s in ("0", "1"):
+        tokens, lps = got[s]
+        expected = det_solo[f"probe3-{s}"]
+        assert tuple(tokens) == expected[0]
+        # JSON round-trips a float exactly (repr), so this is a bitwise comparison.
+        assert tuple(tuple(tuple(x) for x in step) for step in lps) == expected[1]
+
+
+def test_deterministic_mode_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="deterministic"):
+        LLMEngine.from_kwargs(deterministic=True, dtype="float16")
+    with pytest.raises(ValueError, match="deterministic"):
+        LLMEngine.from_kwargs(deterministic=True, device="cuda")

@@ -1,0 +1,109 @@
+"""The batch-invariant kernels: right answers, and a row's bits independent of its batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.worker import kernels
+
+
+@pytest.fixture(scope="module")
+def k():
+    try:
+        return kernels.batch_invariant(torch.device("cpu"), torch.bfloat16)
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def row_slices(m: int):
+    """(start, rows) windows of an m-row batch: alone, in small and odd-sized batches."""
+    return [(s, n) for n in (1, 2, 3, 4, 5, 17) for s in (0, 1, m - n) if s + n <= m]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,kdim,bias", [(96, 64, False), (37, 7, True), (200, 131, True), (1024, 576, False)])
+def test_linear_matches_reference_and_is_row_invariant(k, dtype, n, kdim, bias):
+    g = torch.Generator().manual_seed(n * kdim)
+    w = torch.randn(n, kdim, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    x = torch.randn(70, kdim, generator=g).to(dtype)
+    packed = k.bi_pack_weight(w)
+    full = k.bi_linear(x, packed, n, b)
+    assert full.dtype == dtype and full.shape == (70, n)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = (2e-2 if dtype == torch.bfloat16 else 1e-5) * ref.abs().max().item()
+    torch.testing.assert_close(full.float(), ref, atol=tol, rtol=0)
+    for s, m in row_slices(70):
+        assert torch.equal(k.bi_linear(x[s:s + m], packed, n, b), full[s:s + m]), (s, m)
+    # Float32 logits from bf16 inputs (the LM head) are invariant too.
+    logits = k.bi_linear(x, packed, n, b, True)
+    assert logits.dtype == torch.float32
+    assert torch.equal(k.bi_linear(x[5:6], packed, n, b, True), logits[5:6])
+
+
+def test_torch_matmul_is_not_row_invariant():
+    """Why the kernels exist: the library matmul's result for a row changes with the batch."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=g)
+    x = torch.randn(256, 576, generator=g)
+    full = x @ w.T
+    assert any(not torch.equal((x[:m] @ w.T)[0], full[0]) for m in (1, 2, 3, 8, 16, 33, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_and_silu_and_mul(k, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(40, 3, 72, generator=g) * 3).to(dtype)   # leading dims flattened, 72 = 4.5 vectors
+    w = torch.randn(72, generator=g).to(dtype)
+    y = k.bi_rms_norm(x, w, 1e-5)
+    xf = x.float()
+    ref = w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()
+    torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    for s, m in row_slices(40):
+        assert torch.equal(k.bi_rms_norm(x[s:s + m], w, 1e-5), y[s:s + m])
+
+    gu = torch.randn(40, 2 * 100, generator=g).to(dtype)
+    y = k.bi_silu_and_mul(gu)
+    gate, up = gu.float().chunk(2, dim=-1)
+    torch.testing.assert_close(y.float(), F.silu(gate) * up, atol=3e-2 if dtype == torch.bfloat16 else 1e-5,
+                               rtol=1e-2)
+    for s, m in row_slices(40):
+        assert torch.equal(k.bi_silu_and_mul(gu[s:s + m]), y[s:s + m])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_varlen_attention_same_bits_as_prefill_chunk_or_decode(k, dtype):
+    """A token's attention output is the same whether its request is computed as one prompt
+    chunk, in several chunks, or one token at a time, and whatever other requests share the
+    call; and it equals dense causal attention."""
+    g = torch.Generator().manual_seed(2)
+    hkv, hq, d, bs, nb = 2, 6, 64, 4, 40
+    kc = torch.randn(hkv, nb, bs, d, generator=g).to(dtype)
+    vc = torch.randn(hkv, nb, bs, d, generator=g).to(dtype)
+    L = 23
+    blocks = torch.randperm(nb, generator=g)[:6]       # request A's blocks, scattered
+    q = torch.randn(L, hq, d, generator=g).to(dtype)
+    scale = d ** -0.5
+
+    def call(q_rows, starts, lens, tables):
+        return k.paged_attention_varlen(q_rows.contiguous(), kc, vc, torch.stack(tables),
+                                        torch.tensor(starts), torch.tensor(lens), scale)
+
+    whole = call(q, [0, L], [L], [blocks])
+    # Dense reference from the same cached K/V.
+    kd = kc[:, blocks].reshape(hkv, -1, d)[:, :L].repeat_interleave(hq // hkv, 0).float()
+    vd = vc[:, blocks].reshape(hkv, -1, d)[:, :L].repeat_interleave(hq // hkv, 0).float()
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).float(), kd, vd, is_causal=True, scale=scale)
+    torch.testing.assert_close(whole.float(), ref.transpose(0, 1), atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               rtol=0)
+    # Chunks of 9, 9, 5, each beside a neighbour request B of another length.
+    other = torch.randperm(nb, generator=g)[:6]
+    qb = torch.randn(7, hq, d, generator=g).to(dtype)
+    for lo, hi in ((0, 9), (9, 18), (18, 23)):
+        out = call(torch.cat([qb, q[lo:hi]]), [0, 7, 7 + hi - lo], [19, hi], [other, blocks])
+        assert torch.equal(out[7:], whole[lo:hi])
+    # Token by token, as decodes, in a batch with B's decode.
+    for t in range(L):
+        out = call(torch.cat([q[t:t + 1], qb[:1]]), [0, 1, 2], [t + 1, 11], [blocks, other])
+        assert torch.equal(out[0], whole[t])
