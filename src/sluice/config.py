@@ -104,5 +104,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if self.model.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.model.quantization!r}")
+        m = self.model
+        if m.deterministic and (not m.device.startswith("cpu") or m.dtype in ("float16", "fp16", "half")):
+            raise ValueError(f"deterministic mode runs on the CPU in float32 or bfloat16 (its batch-invariant "
+                             f"kernels have no other build yet); got device={m.device!r}, dtype={m.dtype!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")

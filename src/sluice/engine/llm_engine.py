@@ -23,6 +23,7 @@ from sluice.outputs import RequestOutput
 from sluice.request import Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.tokenizer import Tokenizer
+from sluice.worker import kernels
 from sluice.worker.model_runner import ModelRunner, RunnerTimings
 
 logger = logging.getLogger(__name__)
@@ -67,13 +68,15 @@ class LLMEngine:
         model.eval()
         if mc.quantization == "int8" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
             raise ValueError("quantization='int8' needs dtype bfloat16 on the CPU")
-        model.optimize_for(self.device, self.dtype, mc.quantization)
-        self.tokenizer = Tokenizer.load(src, hf_config)
-        self.model_path = src.path
         arch = model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed)
+        bi_kernels = kernels.batch_invariant(self.device, self.dtype) if mc.deterministic else None
+        model.optimize_for(self.device, self.dtype, mc.quantization, bi_kernels, self.max_model_len)
+        self.tokenizer = Tokenizer.load(src, hf_config)
+        self.model_path = src.path
+        self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
+                                  batch_invariant_kernels=bi_kernels)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

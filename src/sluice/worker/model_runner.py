@@ -42,10 +42,16 @@ def bucket(n: int) -> int:
     return cdiv(n, 128) * 128
 
 
+# Prompt rows scored per LM-head call: 256 x 49152 float32 logits are 48 MiB.
+PROMPT_LOGPROB_ROWS = 256
+
+
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 use_kernels: bool = True):
+                 use_kernels: bool = True, batch_invariant_kernels=None):
         self.model = model
+        # Deterministic mode: attention for every token through one batch-invariant kernel.
+        self.batch_invariant_kernels = batch_invariant_kernels
         self.arch = model.arch
         self.dtype = dtype
         self.device = device
@@ -100,7 +106,7 @@ class ModelRunner:
             if q == 1:
                 decode_rows.append(start)
                 decode_reqs.append(i)
-            else:
+            elif self.batch_invariant_kernels is None:
                 mask = None
                 if e.start_pos > 0:
                     # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
@@ -138,6 +144,7 @@ class ModelRunner:
             decode_seq_lens=d_lens,
             prefills=prefills,
             decode_kernel=self.decode_kernel,
+            batch_invariant_kernels=self.batch_invariant_kernels,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
@@ -217,8 +224,55 @@ class ModelRunner:
                     top = [(lp_ids[i][j], lps[i][j], j) for j in range(1, k + 1)]
                     lp = [(token_ids[i], lps[i][0], ranks[i])] + top
                 sampled[e.request_id] = SampledToken(token_ids[i], lp)
+        prompt_logprobs = self._prompt_logprobs(plan, hidden)
         t3 = time.perf_counter()
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
-        return StepResult(sampled)
+        return StepResult(sampled, prompt_logprobs)
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
+        """Logprobs of prompt tokens for the entries that ask for them: the LM head over
+        their prompt rows, PROMPT_LOGPROB_ROWS rows at a time (a [rows, vocab] float32 block
+        each), through the sampler's own token_logprobs. Rows are found in the flat batch
+        as the model saw it: the plan's entries one after another."""
+        from sluice.core.scheduler import PromptLogprobs
+        from sluice.worker.sampler import token_logprobs
+        rows: list[int] = []
+        targets: list[int] = []
+        wanted: list[tuple[str, int, int, int]] = []  # (request id, first position, rows, k)
+        offset = 0
+        for e in plan.scheduled:
+            if e.prompt_logprob_positions is not None:
+                lo, hi = e.prompt_logprob_positions
+                first = offset + lo - e.start_pos
+                rows.extend(range(first, first + hi - lo))
+                targets.extend(e.prompt_token_ids[lo + 1:hi + 1])
+                wanted.append((e.request_id, lo, hi - lo, e.params.prompt_logprobs))
+            offset += len(e.token_ids)
+        if not rows:
+            return {}
+        k = max(w[3] for w in wanted)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)
+        parts = []
+        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            r = rows_t[s:s + PROMPT_LOGPROB_ROWS]
+            n = len(r)
+            # Bucketed like the sampling rows (one LM-head kernel per shape); pads repeat row 0.
+            r = torch.cat([r, r[:1].expand(bucket(n) - n)])
+            logits = self.model.compute_logits(hidden.index_select(0, r))[:n]
+            parts.append(token_logprobs(logits, targets_t[s:s + n], k))
+        ids = torch.cat([p[0] for p in parts]).tolist()
+        lps = torch.cat([p[1] for p in parts]).tolist()
+        ranks = torch.cat([p[2] for p in parts]).tolist()
+        out: dict[str, PromptLogprobs] = {}
+        i = 0
+        for rid, lo, count, kr in wanted:
+            entries = []
+            for row in range(i, i + count):
+                entries.append([(ids[row][0], lps[row][0], ranks[row])]
+                               + [(ids[row][j], lps[row][j], j) for j in range(1, kr + 1)])
+            out[rid] = PromptLogprobs(lo, entries)
+            i += count
+        return out

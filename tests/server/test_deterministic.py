@@ -1,0 +1,57 @@
+"""`--deterministic` through the server: a completion's tokens and logprobs are bitwise
+those of its solo run while other clients' requests stream beside it."""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+
+from tests.server.conftest import MODEL, RunningServer, start_engine, wait_all_blocks_free
+from sluice.entrypoints.openai.api_server import ServerConfig
+
+PROBE = "The quick brown fox jumps over the lazy dog and then"
+
+
+@pytest.fixture(scope="module")
+def det_server(tiny_checkpoint):
+    # A small cache and step budget: the crowd forces chunked prompts and preemption.
+    aengine, metrics, _ = start_engine(str(tiny_checkpoint("llama")), deterministic=True, num_blocks=48,
+                                       max_num_batched_tokens=64)
+    server = RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
+    yield server
+    server.stop()
+    aengine.shutdown()
+
+
+def probe(client: OpenAI, **extra):
+    r = client.completions.create(model=MODEL, prompt=PROBE, max_tokens=16, logprobs=3, **extra)
+    lp = r.choices[0].logprobs
+    return r.choices[0].text, lp.tokens, lp.token_logprobs, lp.top_logprobs
+
+
+def neighbour(client: OpenAI, i: int) -> None:
+    rng = random.Random(i)
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(rng.randint(5, 80)))
+    stream = client.completions.create(model=MODEL, prompt=words, max_tokens=rng.randint(4, 30),
+                                       temperature=1.0, stream=True)
+    for _ in stream:
+        pass
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, seed=11)])
+def test_probe_bitwise_equal_with_and_without_neighbours(det_server, sampling):
+    client = OpenAI(base_url=f"{det_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    alone = probe(client, **sampling)
+    preempted = det_server.engine.engine.scheduler.num_preemptions
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(neighbour, client, i) for i in range(14)]
+        crowded = [pool.submit(probe, client, **sampling) for _ in range(2)]
+        results = [f.result() for f in crowded]
+        for f in futures:
+            f.result()
+    for got in results:
+        assert got == alone
+    assert det_server.engine.engine.scheduler.num_preemptions > preempted
+    wait_all_blocks_free(det_server.engine.engine)
