@@ -168,3 +168,31 @@ def test_deterministic_mode_rejects_what_it_cannot_do():
         LLMEngine.from_kwargs(deterministic=True, dtype="float16")
     with pytest.raises(ValueError, match="deterministic"):
         LLMEngine.from_kwargs(deterministic=True, device="cuda")
+
+
+def test_rescoring_a_generation_gives_bitwise_its_logprobs(det_engine):
+    """What an RL loop needs: the logprobs reported while sampling a sequence equal, bit
+    for bit, those of scoring it afterwards as a prompt (prefill rows, not decode rows,
+    in a batch of another shape, chunked differently)."""
+    det_engine.scheduler.config.max_num_batched_tokens = 2048
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=12, logprobs=2)]
+    for i, p in enumerate(params):
+        gen = run_alone(det_engine, f"gen{i}", PROBES[3], p)
+        seq = gen.prompt_token_ids + gen.outputs[0].token_ids
+        for budget in (2048, 24):  # one chunk, or many
+            det_engine.add_request(f"score{i}-{budget}", seq,
+                                   SamplingParams(max_tokens=1, prompt_logprobs=2))
+            det_engine.add_request(f"beside{i}-{budget}", PROBES[6], SamplingParams(max_tokens=5))
+            det_engine.scheduler.config.max_num_batched_tokens = budget
+            scored = None
+            while det_engine.has_unfinished_requests():
+                for o in det_engine.step():
+                    if o.finished and o.request_id.startswith("score"):
+                        scored = o
+            n_prompt = len(gen.prompt_token_ids)
+            for j, (tok, step) in enumerate(zip(gen.outputs[0].token_ids, gen.outputs[0].logprobs)):
+                rescored = scored.prompt_logprobs[n_prompt + j]
+                assert rescored[tok].logprob == step[tok].logprob, (i, budget, j)
+                assert rescored[tok].rank == step[tok].rank
+                assert {t: lp.logprob for t, lp in rescored.items()} == {t: lp.logprob for t, lp in step.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from sluice import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free
@@ -249,7 +250,10 @@ def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in out
     layer = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert layer.qweight is not None and layer.qweight.dtype.is_floating_point is False
+    if layer.kernel is not None:  # our C++ kernels: int8 weights packed for small batches
+        assert layer.kernel.q_packed.dtype == torch.int8 and layer.kernel.int8_max_rows >= 1
+    else:
+        assert layer.qweight is not None and layer.qweight.dtype.is_floating_point is False
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(dtype="float32", quantization="int8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="quantization"):

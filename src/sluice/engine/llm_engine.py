@@ -71,12 +71,16 @@ class LLMEngine:
         arch = model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        bi_kernels = kernels.batch_invariant(self.device, self.dtype) if mc.deterministic else None
-        model.optimize_for(self.device, self.dtype, mc.quantization, bi_kernels, self.max_model_len)
+        if mc.deterministic:
+            model_kernels = kernels.batch_invariant(self.device, self.dtype)
+        else:
+            model_kernels = kernels.for_model(self.device, self.dtype)
+        model.optimize_for(self.device, self.dtype, mc.quantization, model_kernels, mc.deterministic,
+                           self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
-                                  batch_invariant_kernels=bi_kernels)
+                                  batch_invariant_kernels=model_kernels if mc.deterministic else None)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

@@ -1,37 +1,71 @@
 """Linear layers with the fastest weight form the device offers.
 
 `Linear` is an nn.Linear that can be switched, after loading, to
-- a oneDNN prepacked bf16 weight on CPU (the op inductor's freezing uses; measured
-  1.3-1.5x faster than F.linear at batch 1-32, bitwise equal here);
-- int8 weight-only quantization (`quantize_int8`): symmetric per-output-channel scales.
-  Rows of a step at most INT8_MAX_ROWS use torch's int8 weight-pack matmul, which reads
-  half the bytes (the single-stream case is memory-bound); bigger batches use the
-  dequantized weight through the packed bf16 path, so every row sees the same int8 weights.
-- a batch-invariant kernel (deterministic mode, `enable_batch_invariant`): worker/kernels'
-  bi_linear, whose every output is reduced over K in one fixed order whatever the row count.
+- our C++ kernels (worker/kernels, CPU with AVX-512 BF16, bfloat16; `use_kernels`): each
+  output reduced over K in one fixed order whatever the number of rows, which makes them
+  batch-invariant (deterministic mode) and, at decode batch sizes, faster than oneDNN
+  (measured 1.1-2.4x at 1-32 rows, equal at 2,048). With int8 weights, steps of at most
+  KERNEL_INT8_MAX_ROWS rows read the int8 weights (half the bytes; decode at small batch
+  is memory-bound) and bigger ones the dequantized bf16 weights; deterministic mode reads
+  the int8 weights at every size, so a row never changes kernel with the batch;
+- a oneDNN prepacked bf16 weight, where our kernels are unavailable (the op inductor's
+  freezing uses);
+- int8 weight-only quantization (`quantize_int8`): symmetric per-output-channel scales;
+  without our kernels, rows of a step at most INT8_MAX_ROWS use torch's int8 matmul.
 Numerics are unchanged where none is used: float32 and GPU keep plain F.linear.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-# Measured crossover on a 2-core AVX-512 CPU: int8 matmul wins at 1-2 rows, loses beyond.
+# Measured crossovers on a 2-core AVX-512 CPU: torch's int8 matmul wins at 1-2 rows;
+# our int8 kernel at up to ~8 (30 layers: 4.6 vs 7.5 ms at 1 row, 5.1 vs 7.4 at 4, slower at 16).
 INT8_MAX_ROWS = 2
+KERNEL_INT8_MAX_ROWS = 8
+
+
+@dataclass
+class KernelWeight:
+    """One weight matrix packed for the C++ kernels, and how to multiply by it."""
+    kernels: object
+    n: int                               # output features
+    packed: torch.Tensor | None          # bf16/fp32, for kernels.bi_linear
+    q_packed: torch.Tensor | None = None  # int8, for kernels.bi_linear_int8 ...
+    qscale: torch.Tensor | None = None   # ... with its per-column float32 scales
+    int8_max_rows: float = 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool = False):
+        if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:
+            return self.kernels.bi_linear_int8(x, self.q_packed, self.qscale, self.n, bias, out_float32)
+        return self.kernels.bi_linear(x, self.packed, self.n, bias, out_float32)
+
+
+def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None,
+                  deterministic: bool) -> KernelWeight:
+    weight = weight.detach()
+    if q is None:
+        return KernelWeight(kernels, weight.shape[0], kernels.bi_pack_weight(weight))
+    qweight, qscale = q
+    return KernelWeight(kernels, weight.shape[0],
+                        None if deterministic else kernels.bi_pack_weight(weight),
+                        kernels.bi_pack_weight_int8(qweight), qscale.float().contiguous(),
+                        float("inf") if deterministic else KERNEL_INT8_MAX_ROWS)
 
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     qweight: torch.Tensor | None = None   # int8 [out, in]
     qscale: torch.Tensor | None = None    # [out], in the activation dtype
-    bi_kernels: object | None = None      # deterministic mode: the kernel module ...
-    bi_packed: torch.Tensor | None = None  # ... and the weight packed for it
+    kernel: KernelWeight | None = None    # set by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bi_packed is not None:
-            return self.bi_kernels.bi_linear(x, self.bi_packed, self.out_features, self.bias)
+        if self.kernel is not None:
+            return self.kernel(x, self.bias)
         if self.qweight is not None and x.shape[0] <= INT8_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscale)
             return y if self.bias is None else y + self.bias
@@ -84,13 +118,13 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 @torch.no_grad()
-def enable_batch_invariant_linears(model: nn.Module, kernels) -> int:
-    """Route every Linear through the batch-invariant kernel (deterministic mode). An int8
-    model keeps its dequantized weights, so both modes see the same weight values."""
+def use_kernels(model: nn.Module, kernels, deterministic: bool) -> int:
+    """Route every Linear through the C++ kernels; returns how many. Quantize first."""
     n = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            module.bi_kernels, module.bi_packed = kernels, kernels.bi_pack_weight(module.weight.detach())
+            q = (module.qweight, module.qscale) if module.qweight is not None else None
+            module.kernel = kernel_weight(kernels, module.weight, q, deterministic)
             module.packed = module.qweight = module.qscale = None
             n += 1
     return n

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.models.linear import (INT8_MAX_ROWS, Linear, can_prepack, enable_batch_invariant_linears,
-                                  prepack_linears, prepack_weight, quantize_int8, quantize_per_channel)
+from sluice.models.linear import (INT8_MAX_ROWS, KernelWeight, Linear, can_prepack, kernel_weight,
+                                  prepack_linears, prepack_weight, quantize_int8, quantize_per_channel,
+                                  use_kernels)
 from sluice.worker.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -88,7 +89,7 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    bi_kernels: object | None = None  # deterministic mode: the batch-invariant kernels
+    kernels: object | None = None  # the C++ kernels, when they run this model
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -96,8 +97,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bi_kernels is not None:
-            return self.bi_kernels.bi_rms_norm(x, self.weight, self.eps)
+        if self.kernels is not None:
+            return self.kernels.bi_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -138,7 +139,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    bi_kernels: object | None = None
+    kernels: object | None = None
 
     def __init__(self, arch: LlamaArch):
         super().__init__()
@@ -147,8 +148,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x):
-        if self.bi_kernels is not None:
-            return self.down_proj(self.bi_kernels.bi_silu_and_mul(self.gate_up_proj(x)))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.bi_silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -189,9 +190,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self._packed_embedding: torch.Tensor | None = None
         self._int8_head: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._bi_head: torch.Tensor | None = None  # deterministic mode, tied head
+        self._kernel_head: KernelWeight | None = None  # the head, when the C++ kernels run the model
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.bi_kernels = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         if self._rope_table is not None:
@@ -212,9 +212,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.bi_kernels is not None:  # float32 logits, fixed reduction order per row
-            head = self._bi_head if self.lm_head is None else self.lm_head.bi_packed
-            return self.bi_kernels.bi_linear(hidden, head, self.arch.vocab_size, None, True)
+        if self._kernel_head is not None:  # float32 logits, a fixed reduction order per row
+            return self._kernel_head(hidden, None, True)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self._int8_head is not None and hidden.shape[0] <= INT8_MAX_ROWS:
@@ -224,10 +223,10 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def optimize_for(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-                     batch_invariant_kernels=None, max_positions: int | None = None) -> None:
-        """After loading: quantize if asked, then prepack weights where the device has a faster
-        form, or, given the batch-invariant kernels (deterministic mode), route every
-        reduction through them."""
+                     kernels=None, deterministic: bool = False, max_positions: int | None = None) -> None:
+        """After loading: quantize if asked; then, given our C++ kernels, run every linear
+        layer, RMSNorm and SwiGLU through them (batch-invariant), else prepack weights where
+        the device has a faster form. Deterministic mode also fixes the RoPE values."""
         if quantization == "int8":
             quantize_int8(self, dtype)
             if self.lm_head is None:
@@ -236,24 +235,26 @@ class LlamaForCausalLM(nn.Module):
                 self._int8_head = (q, scale.to(dtype))
         elif quantization is not None:
             raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
-        if batch_invariant_kernels is not None:
-            self._enable_batch_invariant(batch_invariant_kernels, dtype,
-                                         max_positions or self.arch.max_position_embeddings)
+        if kernels is not None:
+            self._use_kernels(kernels, dtype, deterministic, max_positions or self.arch.max_position_embeddings)
         elif can_prepack(device, dtype):
             prepack_linears(self)
             if self.lm_head is None:  # tied head: a packed copy beside the embedding table
                 self._packed_embedding = prepack_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
-    def _enable_batch_invariant(self, k, dtype: torch.dtype, max_positions: int) -> None:
-        enable_batch_invariant_linears(self, k)
+    def _use_kernels(self, k, dtype: torch.dtype, deterministic: bool, max_positions: int) -> None:
+        use_kernels(self, k, deterministic)
+        if self.lm_head is None:  # tied head: its own packed copy of the embedding table
+            self._kernel_head = kernel_weight(k, self.model.embed_tokens.weight, self._int8_head, deterministic)
+        else:
+            self._kernel_head = self.lm_head.kernel
+        self._int8_head = None
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
-                module.bi_kernels = k
-        self.bi_kernels = k
-        self._int8_head = None
-        if self.lm_head is None:
-            self._bi_head = k.bi_pack_weight(self.model.embed_tokens.weight.detach())
+                module.kernels = k
+        if not deterministic:
+            return
         # One cos/sin table for every position, built once: computing them per batch runs
         # cos/sin over a tensor whose length depends on the batch, and vectorised and
         # scalar-tail elements of such kernels may round differently.

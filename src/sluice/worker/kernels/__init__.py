@@ -51,3 +51,15 @@ def batch_invariant(device, dtype):
     if not getattr(mod, "has_batch_invariant", False):
         raise ValueError("deterministic mode needs a CPU with AVX-512 BF16; this one lacks it")
     return mod
+
+
+def for_model(device, dtype):
+    """The kernels that run a model's linear layers, norms and SwiGLU in the default mode:
+    bfloat16 on a CPU with AVX-512 BF16, where they beat oneDNN at decode batch sizes.
+    None elsewhere (float32 keeps torch's own ops, which the exact-match tests against
+    transformers rely on; other devices keep torch's)."""
+    import torch
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    mod = load()
+    return mod if mod is not None and getattr(mod, "has_batch_invariant", False) else None

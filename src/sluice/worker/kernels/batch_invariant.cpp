@@ -71,6 +71,20 @@ torch::Tensor pack_weight(torch::Tensor w) {
   return out;
 }
 
+// int8 weights (weight-only quantization) in the bf16 pair layout: [N/16][ceil(K/2)][16][2].
+torch::Tensor pack_weight_int8(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "int8 weight must be [N, K] int8");
+  q = q.contiguous();
+  const int64_t N = q.size(0), K = q.size(1), NB = (N + kLanes - 1) / kLanes, KP = (K + 1) / 2;
+  auto out = torch::zeros({NB, KP, kLanes, 2}, q.options());
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      dst[(((n / kLanes) * KP + k / 2) * kLanes + n % kLanes) * 2 + k % 2] = src[n * K + k];
+  return out;
+}
+
 // Store one 16-column group of one row, in float32 or bfloat16, masked at the end of N.
 inline void store_group(__m512 acc, const float* bias, int64_t n0, int64_t N, bool out_f32, void* out_row) {
   const int64_t left = N - n0;
@@ -115,6 +129,65 @@ void block_bf16(const uint16_t* A, int64_t K, const uint16_t* B, int64_t KP, int
   for (int r = 0; r < R; ++r) {
     char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
     for (int c = 0; c < C; ++c) store_group(acc[r][c], bias, (nb0 + c) * kLanes, N, out_f32, row);
+  }
+}
+
+// bf16 activations x int8 weights: each 32-byte group of weights (16 columns x a pair of
+// k) is widened to bf16 in registers (exact: |q| <= 127) and fed to the same vdpbf16ps
+// as the bf16 path; the per-column scale multiplies the finished sum. Reads half the
+// bytes of bf16 weights, which is what a decode step at small batch is bound by.
+inline __m512i int8x32_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int R, int C>
+void block_i8(const uint16_t* A, int64_t K, const int8_t* B, int64_t KP, int64_t nb0, const float* scale,
+              const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t full = K / 2;
+  const int8_t* Bc[C];
+  for (int c = 0; c < C; ++c) Bc[c] = B + (nb0 + c) * KP * kLanes * 2;
+  for (int64_t kp = 0; kp < full; ++kp) {
+    __m512i b[C];
+    for (int c = 0; c < C; ++c) b[c] = int8x32_to_bf16(Bc[c] + kp * kLanes * 2);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + (m0 + r) * K + 2 * kp, sizeof(pair));
+      const __m512i a = _mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
+    }
+  }
+  if (K % 2) {
+    __m512i b[C];
+    for (int c = 0; c < C; ++c) b[c] = int8x32_to_bf16(Bc[c] + full * kLanes * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(A[(m0 + r) * K + K - 1]));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
+    }
+  }
+  const size_t esz = out_f32 ? 4 : 2;
+  for (int r = 0; r < R; ++r) {
+    char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (nb0 + c) * kLanes, left = N - n0;
+      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      store_group(_mm512_mul_ps(acc[r][c], _mm512_maskz_loadu_ps(m, scale + n0)), bias, n0, N, out_f32, row);
+    }
+  }
+}
+
+template <int R>
+void dispatch_cols_i8(int C, const uint16_t* A, int64_t K, const int8_t* B, int64_t KP, int64_t nb0,
+                      const float* scale, const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
+  switch (C) {
+    case 1: return block_i8<R, 1>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
+    case 2: return block_i8<R, 2>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
+    case 3: return block_i8<R, 3>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
+    default: return block_i8<R, 4>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
   }
 }
 
@@ -212,6 +285,46 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
             case 3: dispatch_cols_f32<3>(C, A, K, B, nb0, bp, N, op, m0); break;
             default: dispatch_cols_f32<4>(C, A, K, B, nb0, bp, N, op, m0); break;
           }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x: [M, K] bf16; packed from pack_weight_int8; scale: [N] per output column.
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
+                          c10::optional<torch::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "packed int8 weight expected");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NB = (N + kLanes - 1) / kLanes, KP = (K + 1) / 2;
+  TORCH_CHECK(packed.size(0) == NB && packed.size(1) == KP, "packed weight does not match [N, K]");
+  auto scale_f = scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
+  if (M == 0) return out;
+  const uint16_t* A = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* B = packed.data_ptr<int8_t>();
+  const float* sp = scale_f.data_ptr<float>();
+  void* op = out.data_ptr();
+  const int64_t units = (NB + kCols - 1) / kCols;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t nb0 = u * kCols;
+      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        switch (std::min<int64_t>(kRows, M - m0)) {
+          case 1: dispatch_cols_i8<1>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
+          case 2: dispatch_cols_i8<2>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
+          case 3: dispatch_cols_i8<3>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
+          default: dispatch_cols_i8<4>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
         }
       }
     }
@@ -341,6 +454,10 @@ void register_batch_invariant(pybind11::module& m) {
   m.def("bi_pack_weight", &pack_weight, "pack [N, K] weights for bi_linear");
   m.def("bi_linear", &linear, "batch-invariant x @ W^T (+ b)", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
+  m.def("bi_pack_weight_int8", &pack_weight_int8, "pack [N, K] int8 weights for bi_linear_int8");
+  m.def("bi_linear_int8", &linear_int8, "batch-invariant x @ (q * scale)^T (+ b), int8 weights",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("n"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
   m.def("bi_rms_norm", &rms_norm, "batch-invariant RMSNorm over the last dim");
   m.def("bi_silu_and_mul", &silu_and_mul, "batch-invariant silu(gate) * up");
 }
