@@ -187,11 +187,11 @@ def serve(engine_kwargs: dict, config: ServerConfig, log_level: str = "info") ->
     import uvicorn
 
     from sluice.engine.llm_engine import LLMEngine
-    llm_engine = LLMEngine.from_kwargs(**engine_kwargs)
     metrics = Metrics(config.served_model_name)
-    engine = AsyncEngine(llm_engine, on_step=observe(metrics))
-    app = build_app(engine, config, metrics)
+    # The model loads in the engine thread, where it runs (see AsyncEngine).
+    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics))
     engine.start()
+    app = build_app(engine, config, metrics)
     logger.warning("sluice serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
     # On SIGINT/SIGTERM uvicorn stops accepting; streams still open get two seconds to
     # finish, then their tasks are cancelled, which aborts their requests.
