@@ -19,7 +19,8 @@ def make_case(dtype, num_kv_heads=3, group=3, head_dim=64, block_size=16, seqs=7
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:nb] for _ in range(seqs)])
     q = torch.randn(seqs, num_kv_heads * group, head_dim, generator=g).to(dtype)
     mask = (torch.arange(nb * block_size)[None, :] < lens[:, None])[None, :, None, :]
-    meta = AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
+    meta = AttentionMetadata(slot_mapping=None, query_start_loc=torch.arange(seqs + 1), seq_lens=lens,
+                             block_tables=tables,
                              decode_token_idx=torch.arange(seqs), decode_block_tables=tables, decode_mask=mask,
                              decode_seq_lens=lens, prefills=[])
     return q, k_cache, v_cache, meta

@@ -107,3 +107,20 @@ def test_varlen_attention_same_bits_as_prefill_chunk_or_decode(k, dtype):
     for t in range(L):
         out = call(torch.cat([q[t:t + 1], qb[:1]]), [0, 1, 2], [t + 1, 11], [blocks, other])
         assert torch.equal(out[0], whole[t])
+
+
+def test_thread_count_does_not_change_bits(k):
+    """Threads split output columns and rows, never a reduction: same bits on 1 or 2."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(640, 576, generator=g).bfloat16()
+    x = torch.randn(9, 576, generator=g).bfloat16()
+    packed = k.bi_pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (k.bi_linear(x, packed, 640), k.bi_rms_norm(x, w[0], 1e-6))
+        torch.set_num_threads(2)
+        two = (k.bi_linear(x, packed, 640), k.bi_rms_norm(x, w[0], 1e-6))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

@@ -111,6 +111,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    kernels: object | None = None  # the C++ kernels, when they run this model
+
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -124,6 +126,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         T = x.shape[0]
+        k_cache, v_cache = kv_cache
+        if self.kernels is not None and self.q_norm is None:
+            # One C++ pass for RoPE and the cache write (some twenty torch ops otherwise).
+            q = self.kernels.rope_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                           self.num_heads, self.num_kv_heads)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(o.reshape(T, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -132,7 +141,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -251,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
             self._kernel_head = self.lm_head.kernel
         self._int8_head = None
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.kernels = k
         if not deterministic:
             return

@@ -62,6 +62,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.batch_invariant_kernels is not None:
         return meta.batch_invariant_kernels.paged_attention_varlen(
             q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+    if not meta.prefills and meta.decode_kernel is not None:
+        # Decodes only: one kernel call over the flat batch, no gather and scatter of rows
+        # (the varlen kernel runs the decode kernel's per-token routine; padding rows -> 0).
+        return meta.decode_kernel.paged_attention_varlen(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                                         meta.query_start_loc, meta.seq_lens, scale)
     # Zeros, not empty: rows that pad a bucketed batch are attended by nobody and must stay finite.
     out = torch.zeros_like(q)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]

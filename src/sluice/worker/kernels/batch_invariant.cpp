@@ -447,6 +447,71 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return y;
 }
 
+// RoPE (rotate-half form) on q and k of a fused QKV row, K and V written into the paged
+// cache at each token's slot, q returned as [T, Hq, D]: some twenty small torch ops per
+// layer in one pass. Elementwise, so batch-invariant; the rounding replicates torch's
+// q * cos + rotate_half(q) * sin in T op by op (each product and the sum rounded to T).
+template <typename T>
+inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const __m512 x1 = load_row(x, j, half), x2 = load_row(x + half, j, half);
+    const __m512 c1 = load_row(c, j, half), c2 = load_row(c + half, j, half);
+    const __m512 s1 = load_row(s, j, half), s2 = load_row(s + half, j, half);
+    const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+    store_row(out, j, half, _mm512_add_ps(round_to<T>(_mm512_mul_ps(x1, c1)), round_to<T>(_mm512_mul_ps(neg_x2, s1))));
+    store_row(out + half, j, half, _mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, c2)), round_to<T>(_mm512_mul_ps(x1, s2))));
+  }
+}
+
+template <typename T>
+void rope_write_kv_impl(const T* qkv, const T* cos, const T* sin, T* q_out, T* kc, T* vc, const int64_t* slots,
+                        int64_t tokens, int64_t hq, int64_t hkv, int64_t D, int64_t cache_rows) {
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * (hq + 2 * hkv) * D;
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < hq; ++h) rotate_row(row + h * D, c, s, q_out + (t * hq + h) * D, D);
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < hkv; ++h) {
+        rotate_row(row + (hq + h) * D, c, s, kc + (h * cache_rows + slot) * D, D);
+        std::memcpy(vc + (h * cache_rows + slot) * D, row + (hq + hkv + h) * D, D * sizeof(T));
+      }
+    }
+  });
+}
+
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
+                            int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "qkv [T, (Hq + 2 Hkv) D], caches [Hkv, blocks, block, D] contiguous");
+  qkv = qkv.contiguous();
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv width");
+  TORCH_CHECK(k_cache.size(0) == num_kv_heads, "cache kv heads");
+  cos = cos.reshape({T, D}).contiguous();
+  sin = sin.reshape({T, D}).contiguous();
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per token");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(), "dtypes differ");
+  const int64_t cache_rows = k_cache.size(1) * k_cache.size(2);
+  auto q = torch::empty({T, num_heads, D}, qkv.options());
+  if (qkv.scalar_type() == torch::kFloat32) {
+    rope_write_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
+                              k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(), T,
+                              num_heads, num_kv_heads, D, cache_rows);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16, "rope_write_kv supports float32 and bfloat16");
+    using B = at::BFloat16;
+    rope_write_kv_impl<B>(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), q.data_ptr<B>(),
+                          k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), slots.data_ptr<int64_t>(), T, num_heads,
+                          num_kv_heads, D, cache_rows);
+  }
+  return q;
+}
+
 }  // namespace
 
 void register_batch_invariant(pybind11::module& m) {
@@ -458,6 +523,7 @@ void register_batch_invariant(pybind11::module& m) {
   m.def("bi_linear_int8", &linear_int8, "batch-invariant x @ (q * scale)^T (+ b), int8 weights",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, K/V into the paged cache, q out");
   m.def("bi_rms_norm", &rms_norm, "batch-invariant RMSNorm over the last dim");
   m.def("bi_silu_and_mul", &silu_and_mul, "batch-invariant silu(gate) * up");
 }
