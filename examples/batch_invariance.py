@@ -15,7 +15,9 @@ import random
 
 from sluice import LLMEngine, SamplingParams
 
-PROBE = "Explain in one paragraph why the sky is blue."
+PROBE = ("You are a patient teacher. A curious ten-year-old has asked you, on a long car journey, "
+         "why the sky is blue in the day and red at sunset, and will not accept a vague answer. "
+         "Explain it in one paragraph, with one everyday comparison.")
 WORDS = "river stone market engine window garden silver theory quiet number paper storm".split()
 
 
@@ -23,10 +25,14 @@ def run(engine: LLMEngine, crowd: list[tuple[int, str, int]]):
     """crowd: (arrival step, prompt, max_tokens) of the neighbours. Returns the probe's
     (token ids, per-token {token: logprob})."""
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
-    engine.add_request("probe", PROBE, params)
     pending = sorted(crowd)
+    # The probe arrives after the first neighbours: its prompt is chunked around their
+    # decodes, and as the newest request it is the first to be preempted.
+    probe_step = 3 if crowd else 0
     step, result, n = 0, None, 0
-    while pending or engine.has_unfinished_requests():
+    while pending or engine.has_unfinished_requests() or step <= probe_step:
+        if step == probe_step:
+            engine.add_request("probe", PROBE, params)
         while pending and pending[0][0] <= step:
             _, prompt, max_tokens = pending.pop(0)
             engine.add_request(f"n{n}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -49,7 +55,7 @@ def main() -> None:
         rng = random.Random(0)
         same, worst = 0, 0.0
         for _ in range(args.trials):
-            crowd = [(rng.randint(0, 20), " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))),
+            crowd = [(rng.choice([0, 0, rng.randint(1, 20)]), " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))),
                       rng.randint(1, 30)) for _ in range(rng.randint(4, 24))]
             t, lps = run(engine, crowd)
             same += (t, lps) == (tokens, logprobs)
