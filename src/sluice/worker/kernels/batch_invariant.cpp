@@ -26,18 +26,16 @@
 // Without AVX-512 BF16 nothing is registered and deterministic mode reports that it
 // is unavailable on this CPU.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "simd.h"
 
 namespace {
+
+using sluice::exp16;
 
 constexpr int kLanes = 16;
 constexpr int kRows = 4;     // rows per register block
 constexpr int kCols = 4;     // 16-column groups per register block (64 columns)
 
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
   __m256i raw = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -46,49 +44,42 @@ inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
 inline __m256i f32_to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 // ---------------------------------------------------------------------------------
-// Weight packing. bf16: [N/16][ceil(K/2)][16][2], the VNNI pair layout vdpbf16ps reads.
-// fp32: [N/16][K][16]. N is padded to a multiple of 16 (and K to even) with zeros.
+// Weight packing: [N/16][ceil(K/kPer)][16][kPer], 16 output columns side by side per K
+// step. kPer = 2 for bf16 and int8 (the pair layout vdpbf16ps reads), 1 for float32. N is
+// padded to a multiple of 16 (and K to a whole step) with zeros.
+template <typename T, int kPer>
+torch::Tensor pack(const torch::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kLanes - 1) / kLanes, KS = (K + kPer - 1) / kPer;
+  auto out = torch::zeros({NB, KS, kLanes, kPer}, w.options());
+  const T* src = reinterpret_cast<const T*>(w.data_ptr());
+  T* dst = reinterpret_cast<T*>(out.data_ptr());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      dst[(((n / kLanes) * KS + k / kPer) * kLanes + n % kLanes) * kPer + k % kPer] = src[n * K + k];
+  return out;
+}
+
 torch::Tensor pack_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
   w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), NB = (N + kLanes - 1) / kLanes;
-  if (w.scalar_type() == torch::kBFloat16) {
-    const int64_t KP = (K + 1) / 2;
-    auto out = torch::zeros({NB, KP, kLanes, 2}, w.options());
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k)
-        dst[(((n / kLanes) * KP + k / 2) * kLanes + n % kLanes) * 2 + k % 2] = src[n * K + k];
-    return out;
-  }
+  if (w.scalar_type() == torch::kBFloat16) return pack<uint16_t, 2>(w);
   TORCH_CHECK(w.scalar_type() == torch::kFloat32, "pack_weight supports float32 and bfloat16");
-  auto out = torch::zeros({NB, K, kLanes}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) dst[((n / kLanes) * K + k) * kLanes + n % kLanes] = src[n * K + k];
-  return out;
+  return pack<float, 1>(w).squeeze(-1);
 }
 
-// int8 weights (weight-only quantization) in the bf16 pair layout: [N/16][ceil(K/2)][16][2].
+// int8 weights (weight-only quantization), in the bf16 pair layout.
 torch::Tensor pack_weight_int8(torch::Tensor q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "int8 weight must be [N, K] int8");
-  q = q.contiguous();
-  const int64_t N = q.size(0), K = q.size(1), NB = (N + kLanes - 1) / kLanes, KP = (K + 1) / 2;
-  auto out = torch::zeros({NB, KP, kLanes, 2}, q.options());
-  const int8_t* src = q.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k)
-      dst[(((n / kLanes) * KP + k / 2) * kLanes + n % kLanes) * 2 + k % 2] = src[n * K + k];
-  return out;
+  return pack<int8_t, 2>(q.contiguous());
 }
 
-// Store one 16-column group of one row, in float32 or bfloat16, masked at the end of N.
-inline void store_group(__m512 acc, const float* bias, int64_t n0, int64_t N, bool out_f32, void* out_row) {
+// Store one 16-column group of one row, in float32 or bfloat16, masked at the end of N;
+// the per-column scale (int8 weights) and bias are applied to the finished sum.
+inline void store_group(__m512 acc, const float* scale, const float* bias, int64_t n0, int64_t N, bool out_f32,
+                        void* out_row) {
   const int64_t left = N - n0;
   const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  if (scale) acc = _mm512_mul_ps(acc, _mm512_maskz_loadu_ps(m, scale + n0));
   if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, bias + n0));
   if (out_f32) {
     _mm512_mask_storeu_ps(static_cast<float*>(out_row) + n0, m, acc);
@@ -97,142 +88,120 @@ inline void store_group(__m512 acc, const float* bias, int64_t n0, int64_t N, bo
   }
 }
 
-// R rows x C groups of 16 columns, bf16 inputs, K reduced from 0 upward in pairs.
-template <int R, int C>
-void block_bf16(const uint16_t* A, int64_t K, const uint16_t* B, int64_t KP, int64_t nb0,
-                const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t full = K / 2;
-  const uint16_t* Bc[C];
-  for (int c = 0; c < C; ++c) Bc[c] = B + (nb0 + c) * KP * kLanes * 2;
-  for (int64_t kp = 0; kp < full; ++kp) {
-    __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(Bc[c] + kp * kLanes * 2);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, A + (m0 + r) * K + 2 * kp, sizeof(pair));
-      const __m512i a = _mm512_set1_epi32(pair);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
-    }
-  }
-  if (K % 2) {  // last k alone: its pair partner is a zero in both operands
-    __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(Bc[c] + full * kLanes * 2);
-    for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(A[(m0 + r) * K + K - 1]));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
-    }
-  }
-  const size_t esz = out_f32 ? 4 : 2;
-  for (int r = 0; r < R; ++r) {
-    char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
-    for (int c = 0; c < C; ++c) store_group(acc[r][c], bias, (nb0 + c) * kLanes, N, out_f32, row);
-  }
-}
-
 // bf16 activations x int8 weights: each 32-byte group of weights (16 columns x a pair of
 // k) is widened to bf16 in registers (exact: |q| <= 127) and fed to the same vdpbf16ps
-// as the bf16 path; the per-column scale multiplies the finished sum. Reads half the
-// bytes of bf16 weights, which is what a decode step at small batch is bound by.
+// as bf16 weights; the per-column scale multiplies the finished sum. Half the bytes of
+// bf16 weights, which is what a decode step at small batch is bound by.
 inline __m512i int8x32_to_bf16(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-template <int R, int C>
-void block_i8(const uint16_t* A, int64_t K, const int8_t* B, int64_t KP, int64_t nb0, const float* scale,
-              const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
+// The three weight formats as one interface for the block kernel: a K "step" is a pair
+// of k for bf16 activations (one vdpbf16ps) and one k for float32 (one FMA).
+template <typename WeightT>
+struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
+  using Act = uint16_t;
+  using Vec = __m512i;
+  const WeightT* w;
+  int64_t KP;  // pairs of k per 16-column group
+  static int64_t steps(int64_t K) { return K / 2; }
+  static constexpr bool kOddTail = true;
+  Vec load_b(int64_t nb, int64_t s) const {
+    if constexpr (std::is_same_v<WeightT, int8_t>) return int8x32_to_bf16(w + (nb * KP + s) * kLanes * 2);
+    else return _mm512_loadu_si512(w + (nb * KP + s) * kLanes * 2);
+  }
+  static Vec bcast_a(const Act* row, int64_t s) {
+    int32_t pair;
+    std::memcpy(&pair, row + 2 * s, sizeof(pair));
+    return _mm512_set1_epi32(pair);
+  }
+  static Vec bcast_last(const Act* row, int64_t K) {  // odd K: the last k, its partner zero
+    return _mm512_set1_epi32(static_cast<int32_t>(row[K - 1]));
+  }
+  static __m512 fma(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+
+struct Float32Weights {
+  using Act = float;
+  using Vec = __m512;
+  const float* w;
+  int64_t K;
+  static int64_t steps(int64_t K) { return K; }
+  static constexpr bool kOddTail = false;
+  Vec load_b(int64_t nb, int64_t s) const { return _mm512_loadu_ps(w + (nb * K + s) * kLanes); }
+  static Vec bcast_a(const Act* row, int64_t s) { return _mm512_set1_ps(row[s]); }
+  static Vec bcast_last(const Act*, int64_t) { return _mm512_setzero_ps(); }
+  static __m512 fma(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+
+// R rows x C groups of 16 columns; each lane's sum runs over K from 0 upward.
+template <int R, int C, typename W>
+void block(const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const float* scale, const float* bias,
+           int64_t N, bool out_f32, void* out, int64_t m0) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t full = K / 2;
-  const int8_t* Bc[C];
-  for (int c = 0; c < C; ++c) Bc[c] = B + (nb0 + c) * KP * kLanes * 2;
-  for (int64_t kp = 0; kp < full; ++kp) {
-    __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = int8x32_to_bf16(Bc[c] + kp * kLanes * 2);
+  const int64_t steps = W::steps(K);
+  for (int64_t s = 0; s < steps; ++s) {
+    typename W::Vec b[C];
+    for (int c = 0; c < C; ++c) b[c] = w.load_b(nb0 + c, s);
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, A + (m0 + r) * K + 2 * kp, sizeof(pair));
-      const __m512i a = _mm512_set1_epi32(pair);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
+      const typename W::Vec a = W::bcast_a(X + (m0 + r) * K, s);
+      for (int c = 0; c < C; ++c) acc[r][c] = W::fma(acc[r][c], a, b[c]);
     }
   }
-  if (K % 2) {
-    __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = int8x32_to_bf16(Bc[c] + full * kLanes * 2);
+  if (W::kOddTail && K % 2) {
+    typename W::Vec b[C];
+    for (int c = 0; c < C; ++c) b[c] = w.load_b(nb0 + c, steps);
     for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(A[(m0 + r) * K + K - 1]));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
+      const typename W::Vec a = W::bcast_last(X + (m0 + r) * K, K);
+      for (int c = 0; c < C; ++c) acc[r][c] = W::fma(acc[r][c], a, b[c]);
     }
   }
   const size_t esz = out_f32 ? 4 : 2;
   for (int r = 0; r < R; ++r) {
     char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
-    for (int c = 0; c < C; ++c) {
-      const int64_t n0 = (nb0 + c) * kLanes, left = N - n0;
-      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      store_group(_mm512_mul_ps(acc[r][c], _mm512_maskz_loadu_ps(m, scale + n0)), bias, n0, N, out_f32, row);
+    for (int c = 0; c < C; ++c) store_group(acc[r][c], scale, bias, (nb0 + c) * kLanes, N, out_f32, row);
+  }
+}
+
+template <int R, typename W>
+void block_cols(int C, const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const float* scale,
+                const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
+  switch (C) {
+    case 1: return block<R, 1>(w, X, K, nb0, scale, bias, N, out_f32, out, m0);
+    case 2: return block<R, 2>(w, X, K, nb0, scale, bias, N, out_f32, out, m0);
+    case 3: return block<R, 3>(w, X, K, nb0, scale, bias, N, out_f32, out, m0);
+    default: return block<R, 4>(w, X, K, nb0, scale, bias, N, out_f32, out, m0);
+  }
+}
+
+// out[M, N] = X[M, K] W^T. Work unit: 64 columns over all rows, so each weight panel is
+// loaded once per unit and reused by every row block; threads split units, never K.
+template <typename W>
+void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N, const float* scale,
+          const float* bias, bool out_f32, void* out) {
+  const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kCols - 1) / kCols;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t nb0 = u * kCols;
+      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        switch (std::min<int64_t>(kRows, M - m0)) {
+          case 1: block_cols<1>(C, w, X, K, nb0, scale, bias, N, out_f32, out, m0); break;
+          case 2: block_cols<2>(C, w, X, K, nb0, scale, bias, N, out_f32, out, m0); break;
+          case 3: block_cols<3>(C, w, X, K, nb0, scale, bias, N, out_f32, out, m0); break;
+          default: block_cols<4>(C, w, X, K, nb0, scale, bias, N, out_f32, out, m0); break;
+        }
+      }
     }
-  }
+  });
 }
 
-template <int R>
-void dispatch_cols_i8(int C, const uint16_t* A, int64_t K, const int8_t* B, int64_t KP, int64_t nb0,
-                      const float* scale, const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
-  switch (C) {
-    case 1: return block_i8<R, 1>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
-    case 2: return block_i8<R, 2>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
-    case 3: return block_i8<R, 3>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
-    default: return block_i8<R, 4>(A, K, B, KP, nb0, scale, bias, N, out_f32, out, m0);
-  }
-}
-
-// The same for float32 inputs: one k per fused multiply-add.
-template <int R, int C>
-void block_f32(const float* A, int64_t K, const float* B, int64_t nb0, const float* bias, int64_t N,
-               bool out_f32, void* out, int64_t m0) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const float* Bc[C];
-  for (int c = 0; c < C; ++c) Bc[c] = B + (nb0 + c) * K * kLanes;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 b[C];
-    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_ps(Bc[c] + k * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(A[(m0 + r) * K + k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* row = static_cast<float*>(out) + (m0 + r) * N;
-    for (int c = 0; c < C; ++c) store_group(acc[r][c], bias, (nb0 + c) * kLanes, N, true, row);
-  }
-}
-
-template <int R>
-void dispatch_cols_bf16(int C, const uint16_t* A, int64_t K, const uint16_t* B, int64_t KP, int64_t nb0,
-                        const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
-  switch (C) {
-    case 1: return block_bf16<R, 1>(A, K, B, KP, nb0, bias, N, out_f32, out, m0);
-    case 2: return block_bf16<R, 2>(A, K, B, KP, nb0, bias, N, out_f32, out, m0);
-    case 3: return block_bf16<R, 3>(A, K, B, KP, nb0, bias, N, out_f32, out, m0);
-    default: return block_bf16<R, 4>(A, K, B, KP, nb0, bias, N, out_f32, out, m0);
-  }
-}
-template <int R>
-void dispatch_cols_f32(int C, const float* A, int64_t K, const float* B, int64_t nb0, const float* bias,
-                       int64_t N, void* out, int64_t m0) {
-  switch (C) {
-    case 1: return block_f32<R, 1>(A, K, B, nb0, bias, N, true, out, m0);
-    case 2: return block_f32<R, 2>(A, K, B, nb0, bias, N, true, out, m0);
-    case 3: return block_f32<R, 3>(A, K, B, nb0, bias, N, true, out, m0);
-    default: return block_f32<R, 4>(A, K, B, nb0, bias, N, true, out, m0);
-  }
+torch::Tensor float_or_empty(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->to(torch::kFloat32).contiguous() : torch::Tensor();
 }
 
 // x: [M, K]; packed from pack_weight; N: output features. Returns [M, N] in x's dtype,
@@ -241,54 +210,25 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
                      bool out_float32) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NB = (N + kLanes - 1) / kLanes;
-  TORCH_CHECK(packed.size(0) == NB, "packed weight does not match N");
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat32, "linear supports float32 and bfloat16");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
+  TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == (bf16 ? (K + 1) / 2 : K),
+              "packed weight does not match [N, K]");
+  const auto bias_f = float_or_empty(bias);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const bool out_f32 = out_float32 || !bf16;
   auto out = torch::empty({M, N}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
   if (M == 0) return out;
-  const int64_t KP = (K + 1) / 2;
-  TORCH_CHECK(bf16 ? packed.size(1) == KP : packed.size(1) == K, "packed weight does not match K");
-  void* op = out.data_ptr();
-  // Work unit: 64 columns over all rows, so each weight panel is loaded once per unit
-  // and reused by every row block. The split over threads never touches a reduction.
-  const int64_t units = (NB + kCols - 1) / kCols;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t nb0 = u * kCols;
-      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int R = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-        if (bf16) {
-          const uint16_t* A = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-          const uint16_t* B = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-          switch (R) {
-            case 1: dispatch_cols_bf16<1>(C, A, K, B, KP, nb0, bp, N, out_f32, op, m0); break;
-            case 2: dispatch_cols_bf16<2>(C, A, K, B, KP, nb0, bp, N, out_f32, op, m0); break;
-            case 3: dispatch_cols_bf16<3>(C, A, K, B, KP, nb0, bp, N, out_f32, op, m0); break;
-            default: dispatch_cols_bf16<4>(C, A, K, B, KP, nb0, bp, N, out_f32, op, m0); break;
-          }
-        } else {
-          const float* A = x.data_ptr<float>();
-          const float* B = packed.data_ptr<float>();
-          switch (R) {
-            case 1: dispatch_cols_f32<1>(C, A, K, B, nb0, bp, N, op, m0); break;
-            case 2: dispatch_cols_f32<2>(C, A, K, B, nb0, bp, N, op, m0); break;
-            case 3: dispatch_cols_f32<3>(C, A, K, B, nb0, bp, N, op, m0); break;
-            default: dispatch_cols_f32<4>(C, A, K, B, nb0, bp, N, op, m0); break;
-          }
-        }
-      }
-    }
-  });
+  if (bf16) {
+    const PairWeights<uint16_t> w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), (K + 1) / 2};
+    gemm(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, nullptr, bp, out_f32,
+         out.data_ptr());
+  } else {
+    const Float32Weights w{packed.data_ptr<float>(), K};
+    gemm(w, x.data_ptr<float>(), M, K, N, nullptr, bp, true, out.data_ptr());
+  }
   return out;
 }
 
@@ -298,37 +238,18 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
   TORCH_CHECK(packed.scalar_type() == torch::kInt8, "packed int8 weight expected");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NB = (N + kLanes - 1) / kLanes, KP = (K + 1) / 2;
-  TORCH_CHECK(packed.size(0) == NB && packed.size(1) == KP, "packed weight does not match [N, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == (K + 1) / 2,
+              "packed weight does not match [N, K]");
   auto scale_f = scale.to(torch::kFloat32).contiguous();
   TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
+  const auto bias_f = float_or_empty(bias);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return out;
-  const uint16_t* A = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const int8_t* B = packed.data_ptr<int8_t>();
-  const float* sp = scale_f.data_ptr<float>();
-  void* op = out.data_ptr();
-  const int64_t units = (NB + kCols - 1) / kCols;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t nb0 = u * kCols;
-      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        switch (std::min<int64_t>(kRows, M - m0)) {
-          case 1: dispatch_cols_i8<1>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
-          case 2: dispatch_cols_i8<2>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
-          case 3: dispatch_cols_i8<3>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
-          default: dispatch_cols_i8<4>(C, A, K, B, KP, nb0, sp, bp, N, out_float32, op, m0); break;
-        }
-      }
-    }
-  });
+  const PairWeights<int8_t> w{packed.data_ptr<int8_t>(), (K + 1) / 2};
+  gemm(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, scale_f.data_ptr<float>(), bp,
+       out_float32, out.data_ptr());
   return out;
 }
 
@@ -357,23 +278,6 @@ inline __m512 round_to(__m512 v) {
     __m256i h = f32_to_bf16x16(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-}
-
-// exp for 16 lanes (same polynomial as paged_attention.cpp's).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // RMSNorm over the last dim: y = w * T(x * rsqrt(mean(x^2) + eps)), float32 inside.

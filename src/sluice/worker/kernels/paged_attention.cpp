@@ -1,11 +1,10 @@
-// Decode attention straight from the paged KV cache, on the CPU.
+// Attention straight from the paged KV cache, on the CPU.
 //
-// One query token per sequence. For each (sequence, kv head) the kernel walks the
-// sequence's block table, so it reads each cached K/V row once and never pads to the
-// longest sequence or copies blocks into a contiguous buffer (what the torch fallback
-// has to do). Scores, softmax and the weighted sum run in float32 whatever the cache
-// dtype. Work is split over (sequence, kv head) pairs with at::parallel_for, i.e.
-// torch's own intra-op threads.
+// For each (token, kv head) the kernel walks the sequence's block table, so it reads
+// each cached K/V row once and never pads to the longest sequence or copies blocks into
+// a contiguous buffer (what the torch fallback has to do). Scores, softmax and the
+// weighted sum run in float32 whatever the cache dtype. Work is split over (token, kv
+// head) pairs with at::parallel_for, i.e. torch's own intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,44 +15,15 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
+using sluice::to_float;
 
 #if defined(__AVX512F__)
-// 16 lanes of float32 from float32 or bfloat16 memory (bf16 -> f32 is a 16-bit shift).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-// exp for 16 lanes: 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2, 2^f by its degree-6 Taylor
-// polynomial (relative error ~1e-7, below float32's own rounding of the softmax sum).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using sluice::exp16;
+using sluice::load16;
 
 // In-place softmax of n floats.
 inline void softmax16(float* s, int64_t n) {
@@ -165,64 +135,7 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
   }
 }
 
-template <typename T>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                           torch::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / num_kv_heads, h = work % num_kv_heads;
-      const int64_t len = lens[s];
-      scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + (s * num_heads + h * group + g) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
-      }
-      attend_one(qf.data(), kp + h * num_blocks * block_size * head_dim, vp + h * num_blocks * block_size * head_dim,
-                 bt + s * max_blocks, len, block_size, group, head_dim, scores.data(), acc.data());
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = op + (s * num_heads + h * group + g) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[g * head_dim + i]);
-      }
-    }
-  });
-}
-
 }  // namespace
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], cache [kv_heads, blocks, block, dim]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
-              "int64 block tables and lengths");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads not a multiple of kv heads");
-  auto bt = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat32) {
-    decode_attention_impl<float>(q, k_cache, v_cache, bt, lens, scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, bt, lens, scale, out);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
-  }
-  return out;
-}
 
 // Attention for every token of a flat batch, prefill chunks and decodes alike: token t of
 // a request whose context after this step is L and which computes q tokens here sits at
@@ -293,6 +206,14 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
     TORCH_CHECK(false, "paged_attention_varlen supports float32 and bfloat16");
   }
   return out;
+}
+
+// Decodes only: one query token per sequence, i.e. the varlen case with query_start = 0..B.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  return paged_attention_varlen(q, k_cache, v_cache, block_tables,
+                                torch::arange(seq_lens.size(0) + 1, seq_lens.options().dtype(torch::kInt64)),
+                                seq_lens, scale);
 }
 
 void register_batch_invariant(pybind11::module& m);  // batch_invariant.cpp
