@@ -17,7 +17,7 @@ PROBE = "The quick brown fox jumps over the lazy dog and then"
 @pytest.fixture(scope="module")
 def det_server(tiny_checkpoint):
     # A small cache and step budget: the crowd forces chunked prompts and preemption.
-    aengine, metrics, _ = start_engine(str(tiny_checkpoint("llama")), deterministic=True, num_blocks=48,
+    aengine, metrics, _ = start_engine(str(tiny_checkpoint("llama")), deterministic=True, num_blocks=24,
                                        max_num_batched_tokens=64)
     server = RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
     yield server
@@ -33,8 +33,8 @@ def probe(client: OpenAI, **extra):
 
 def neighbour(client: OpenAI, i: int) -> None:
     rng = random.Random(i)
-    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(rng.randint(5, 80)))
-    stream = client.completions.create(model=MODEL, prompt=words, max_tokens=rng.randint(4, 30),
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(rng.randint(20, 80)))
+    stream = client.completions.create(model=MODEL, prompt=words, max_tokens=rng.randint(20, 50),
                                        temperature=1.0, stream=True)
     for _ in stream:
         pass
