@@ -281,11 +281,18 @@ inline __m512 round_to(__m512 v) {
 }
 
 // RMSNorm over the last dim: y = w * T(x * rsqrt(mean(x^2) + eps)), float32 inside.
+// With `residual`, x is first replaced by T(x + residual), written to `sum` (the residual
+// stream's next value): torch's `x + residual` then the norm, in one pass.
 template <typename T>
-void rms_norm_impl(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+void rms_norm_impl(const T* x, const T* residual, T* sum, const T* w, T* y, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
+      if (residual) {
+        for (int64_t j = 0; j < n; j += kLanes)
+          store_row(sum + r * n, j, n, _mm512_add_ps(load_row(xr, j, n), load_row(residual + r * n, j, n)));
+        xr = sum + r * n;
+      }
       __m512 ss = _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += kLanes) {
         const __m512 v = load_row(xr, j, n);
@@ -301,21 +308,40 @@ void rms_norm_impl(const T* x, const T* w, T* y, int64_t rows, int64_t n, float 
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  x = x.contiguous();
-  weight = weight.contiguous();
+void rms_norm_dispatch(const torch::Tensor& x, const torch::Tensor* residual, torch::Tensor* sum,
+                       const torch::Tensor& weight, torch::Tensor& y, double eps) {
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(weight.numel() == n, "weight size != last dim");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
-  auto y = torch::empty_like(x);
   if (x.scalar_type() == torch::kFloat32) {
-    rms_norm_impl<float>(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, n, eps);
+    rms_norm_impl<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                         sum ? sum->data_ptr<float>() : nullptr, weight.data_ptr<float>(), y.data_ptr<float>(),
+                         rows, n, eps);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm supports float32 and bfloat16");
-    rms_norm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                                y.data_ptr<at::BFloat16>(), rows, n, eps);
+    using B = at::BFloat16;
+    rms_norm_impl<B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, sum ? sum->data_ptr<B>() : nullptr,
+                     weight.data_ptr<B>(), y.data_ptr<B>(), rows, n, eps);
   }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  auto y = torch::empty_like(x);
+  rms_norm_dispatch(x, nullptr, nullptr, weight.contiguous(), y, eps);
   return y;
+}
+
+// (rms_norm(x + residual), x + residual).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps) {
+  x = x.contiguous();
+  residual = residual.contiguous();
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
+  auto y = torch::empty_like(x);
+  auto sum = torch::empty_like(x);
+  rms_norm_dispatch(x, &residual, &sum, weight.contiguous(), y, eps);
+  return {y, sum};
 }
 
 // SwiGLU's elementwise half: gate_up [rows, 2I] -> T(T(silu(gate)) * up) [rows, I].
@@ -429,6 +455,7 @@ void register_batch_invariant(pybind11::module& m) {
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, K/V into the paged cache, q out");
   m.def("bi_rms_norm", &rms_norm, "batch-invariant RMSNorm over the last dim");
+  m.def("bi_add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
   m.def("bi_silu_and_mul", &silu_and_mul, "batch-invariant silu(gate) * up");
 }
 #else
