@@ -56,17 +56,22 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+def flat_attention_kernel(meta: AttentionMetadata):
+    """The kernel module that computes the whole flat batch in one call, or None: always in
+    deterministic mode (every token through one per-token routine), and for decode-only
+    steps otherwise (no gather and scatter of decode rows). Padding rows come out as zeros."""
+    if meta.batch_invariant_kernels is not None:
+        return meta.batch_invariant_kernels
+    return meta.decode_kernel if not meta.prefills else None
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's cached K/V."""
-    if meta.batch_invariant_kernels is not None:
-        return meta.batch_invariant_kernels.paged_attention_varlen(
-            q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
-    if not meta.prefills and meta.decode_kernel is not None:
-        # Decodes only: one kernel call over the flat batch, no gather and scatter of rows
-        # (the varlen kernel runs the decode kernel's per-token routine; padding rows -> 0).
-        return meta.decode_kernel.paged_attention_varlen(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                                         meta.query_start_loc, meta.seq_lens, scale)
+    flat = flat_attention_kernel(meta)
+    if flat is not None:
+        return flat.paged_attention_varlen(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                           meta.query_start_loc, meta.seq_lens, scale)
     # Zeros, not empty: rows that pad a bucketed batch are attended by nobody and must stay finite.
     out = torch.zeros_like(q)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]

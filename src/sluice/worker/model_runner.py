@@ -12,7 +12,7 @@ from sluice.config import CacheConfig
 from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.worker import kernels
-from sluice.worker.attention import AttentionMetadata, PrefillChunk
+from sluice.worker.attention import AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplingMetadata, seeded_generator
 
 logger = logging.getLogger(__name__)
@@ -123,29 +123,27 @@ class ModelRunner:
             slots.extend([self.scratch_slot] * pad)
         logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
-        decode_idx = decode_bt = decode_mask = d_lens = None
-        if decode_rows:
-            sel = torch.tensor(decode_reqs, dtype=torch.long)
-            d_lens = seq_lens_t[sel]
-            n_blocks = cdiv(int(d_lens.max()), bs)
-            decode_bt = block_tables[sel, :n_blocks].to(dev)
-            if self.decode_kernel is None:
-                decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[None, :, None, :].to(dev)
-            decode_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            d_lens = d_lens.to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
             seq_lens=seq_lens_t.to(dev),
             block_tables=block_tables.to(dev),
-            decode_token_idx=decode_idx,
-            decode_block_tables=decode_bt,
-            decode_mask=decode_mask,
-            decode_seq_lens=d_lens,
+            decode_token_idx=None, decode_block_tables=None, decode_mask=None, decode_seq_lens=None,
             prefills=prefills,
             decode_kernel=self.decode_kernel,
             batch_invariant_kernels=self.batch_invariant_kernels,
         )
+        # Decode rows get their own index tensors only where attention splits them from
+        # the prefills; a step computed by one flat kernel call needs none.
+        if decode_rows and flat_attention_kernel(meta) is None:
+            sel = torch.tensor(decode_reqs, dtype=torch.long)
+            d_lens = seq_lens_t[sel]
+            n_blocks = cdiv(int(d_lens.max()), bs)
+            meta.decode_block_tables = block_tables[sel, :n_blocks].to(dev)
+            if self.decode_kernel is None:
+                meta.decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[None, :, None, :].to(dev)
+            meta.decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            meta.decode_seq_lens = d_lens.to(dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
