@@ -10,10 +10,10 @@ import torch
 
 from sluice.config import CacheConfig
 from sluice.core.kv_cache_manager import cdiv
-from sluice.core.scheduler import SampledToken, ScheduledRequest, StepPlan, StepResult
+from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.worker import kernels
 from sluice.worker.attention import AttentionMetadata, PrefillChunk, flat_attention_kernel
-from sluice.worker.sampler import Sampler, SamplingMetadata, seeded_generator
+from sluice.worker.sampler import Sampler, SamplingMetadata, seeded_generator, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ def bucket(n: int) -> int:
         if n <= limit:
             return cdiv(n, step) * step
     return cdiv(n, 128) * 128
+
+
+def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[tuple[int, float, int]]:
+    """One row of token_logprobs' output as (token id, logprob, rank): the scored token
+    first (ids[0] is that token), then the top k in order."""
+    return [(ids[0], lps[0], rank)] + [(ids[j], lps[j], j) for j in range(1, k + 1)]
 
 
 # Prompt rows scored per LM-head call: 256 x 49152 float32 logits are 48 MiB.
@@ -218,9 +224,7 @@ class ModelRunner:
             for i, e in enumerate(entries):
                 lp = None
                 if e.params.logprobs is not None:
-                    k = e.params.logprobs
-                    top = [(lp_ids[i][j], lps[i][j], j) for j in range(1, k + 1)]
-                    lp = [(token_ids[i], lps[i][0], ranks[i])] + top
+                    lp = logprob_entry(lp_ids[i], lps[i], ranks[i], e.params.logprobs)
                 sampled[e.request_id] = SampledToken(token_ids[i], lp)
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
         t3 = time.perf_counter()
@@ -234,8 +238,6 @@ class ModelRunner:
         their prompt rows, PROMPT_LOGPROB_ROWS rows at a time (a [rows, vocab] float32 block
         each), through the sampler's own token_logprobs. Rows are found in the flat batch
         as the model saw it: the plan's entries one after another."""
-        from sluice.core.scheduler import PromptLogprobs
-        from sluice.worker.sampler import token_logprobs
         rows: list[int] = []
         targets: list[int] = []
         wanted: list[tuple[str, int, int, int]] = []  # (request id, first position, rows, k)
@@ -269,8 +271,7 @@ class ModelRunner:
         for rid, lo, count, kr in wanted:
             entries = []
             for row in range(i, i + count):
-                entries.append([(ids[row][0], lps[row][0], ranks[row])]
-                               + [(ids[row][j], lps[row][j], j) for j in range(1, kr + 1)])
+                entries.append(logprob_entry(ids[row], lps[row], ranks[row], kr))
             out[rid] = PromptLogprobs(lo, entries)
             i += count
         return out
