@@ -17,7 +17,7 @@ from torch import nn
 from sluice.models.linear import (INT8_MAX_ROWS, KernelWeight, Linear, can_prepack, kernel_weight,
                                   prepack_linears, prepack_weight, quantize_int8, quantize_per_channel,
                                   use_kernels)
-from sluice.worker.attention import AttentionMetadata, paged_attention, write_kv
+from sluice.worker.attention import AttentionMetadata, flat_attention_kernel, paged_attention, write_kv
 
 
 @dataclass
@@ -200,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self._int8_head: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kernel_head: KernelWeight | None = None  # the head, when the C++ kernels run the model
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stack = None  # the layers as one C++ call (kernels.DecoderStack), when the kernels run them
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         if self._rope_table is not None:
@@ -215,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        if self._stack is not None and flat_attention_kernel(meta) is not None:
+            # Attention is one flat kernel call here, so the whole stack runs in C++: the
+            # same kernels in the same order as the loop below, without ~300 Python calls.
+            return self._stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
+                                       meta.query_start_loc, meta.seq_lens)
         layers = self.model.layers
         if self.model.norm.kernels is not None:
             # Each residual add fused with the norm that follows it: the same bits as
@@ -275,6 +281,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.kernels = k
+        if not self.arch.qk_norm and hasattr(k, "DecoderStack"):
+            self._stack = self._build_stack(k)
         if not deterministic:
             return
         # One cos/sin table for every position, built once: computing them per batch runs
@@ -283,6 +291,23 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(max_positions, device=self.inv_freq.device)
         cos, sin = self.rope(positions, dtype)
         self._rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
+
+    def _build_stack(self, k):
+        def linear(module: Linear):
+            w: KernelWeight = module.kernel
+            bias = None if module.bias is None else module.bias.detach()
+            return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias)
+
+        a = self.arch
+        first = self.model.layers[0].self_attn
+        stack = k.DecoderStack(a.num_heads, a.num_kv_heads, a.head_dim, first.scale, self.model.norm.eps,
+                               self.model.norm.weight.detach())
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
+                            linear(mlp.down_proj), layer.input_layernorm.weight.detach(),
+                            layer.post_attention_layernorm.weight.detach())
+        return stack
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

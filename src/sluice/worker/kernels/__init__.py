@@ -27,7 +27,7 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
         return load_extension(
             name="sluice_cpu_kernels",
-            sources=[str(_DIR / "paged_attention.cpp"), str(_DIR / "batch_invariant.cpp")],
+            sources=[str(_DIR / name) for name in ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp")],
             # No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],

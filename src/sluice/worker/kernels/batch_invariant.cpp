@@ -27,10 +27,9 @@
 // is unavailable on this CPU.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "simd.h"
+#include "kernels.h"
 
-namespace {
-
-using sluice::exp16;
+namespace sluice {
 
 constexpr int kLanes = 16;
 constexpr int kRows = 4;     // rows per register block
@@ -442,21 +441,21 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   return q;
 }
 
-}  // namespace
+}  // namespace sluice
 
 void register_batch_invariant(pybind11::module& m) {
   m.attr("has_batch_invariant") = true;
-  m.def("bi_pack_weight", &pack_weight, "pack [N, K] weights for bi_linear");
-  m.def("bi_linear", &linear, "batch-invariant x @ W^T (+ b)", pybind11::arg("x"), pybind11::arg("packed"),
+  m.def("bi_pack_weight", &sluice::pack_weight, "pack [N, K] weights for bi_linear");
+  m.def("bi_linear", &sluice::linear, "batch-invariant x @ W^T (+ b)", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
-  m.def("bi_pack_weight_int8", &pack_weight_int8, "pack [N, K] int8 weights for bi_linear_int8");
-  m.def("bi_linear_int8", &linear_int8, "batch-invariant x @ (q * scale)^T (+ b), int8 weights",
+  m.def("bi_pack_weight_int8", &sluice::pack_weight_int8, "pack [N, K] int8 weights for bi_linear_int8");
+  m.def("bi_linear_int8", &sluice::linear_int8, "batch-invariant x @ (q * scale)^T (+ b), int8 weights",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, K/V into the paged cache, q out");
-  m.def("bi_rms_norm", &rms_norm, "batch-invariant RMSNorm over the last dim");
-  m.def("bi_add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
-  m.def("bi_silu_and_mul", &silu_and_mul, "batch-invariant silu(gate) * up");
+  m.def("rope_write_kv", &sluice::rope_write_kv, "RoPE on q and k, K/V into the paged cache, q out");
+  m.def("bi_rms_norm", &sluice::rms_norm, "batch-invariant RMSNorm over the last dim");
+  m.def("bi_add_rms_norm", &sluice::add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
+  m.def("bi_silu_and_mul", &sluice::silu_and_mul, "batch-invariant silu(gate) * up");
 }
 #else
 void register_batch_invariant(pybind11::module& m) { m.attr("has_batch_invariant") = false; }

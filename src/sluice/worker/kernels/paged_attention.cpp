@@ -217,10 +217,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 void register_batch_invariant(pybind11::module& m);  // batch_invariant.cpp
+void register_decoder_stack(pybind11::module& m);    // decoder_stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("paged_attention_varlen", &paged_attention_varlen,
         "attention for every token of a flat batch over a paged KV cache, prefill and decode alike (CPU)");
   register_batch_invariant(m);
+  register_decoder_stack(m);
 }

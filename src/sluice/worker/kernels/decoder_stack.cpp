@@ -1,0 +1,113 @@
+// The decoder layers of a Llama-family model as one C++ call.
+//
+// Steps whose attention is one flat kernel call (decode-only steps, and every step in
+// deterministic mode) run the same kernels as the Python forward, in the same order with
+// the same arguments, so the bits are the same; only the ~10 Python -> C++ crossings per
+// layer (module calls, argument conversion, result wrapping) are gone. At one row, where
+// a step reads ~100 MB of int8 weights in ~5 ms, those crossings cost ~1.3 ms.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+namespace {
+
+// One linear layer as models/linear.py's KernelWeight holds it.
+struct StackLinear {
+  int64_t n = 0;
+  torch::Tensor packed;    // bf16/fp32 for sluice::linear; undefined when only int8 exists
+  torch::Tensor q_packed;  // int8 for sluice::linear_int8 ...
+  torch::Tensor qscale;    // ... with float32 per-column scales
+  double int8_max_rows = 0;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
+      return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
+    return sluice::linear(x, packed, n, bias, false);
+  }
+};
+
+struct StackLayer {
+  StackLinear qkv, o, gate_up, down;
+  torch::Tensor input_norm, post_attention_norm;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+               torch::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        final_norm_(final_norm.contiguous()) {}
+
+  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias); absent tensors are None.
+  using LinearArgs = std::tuple<int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                                c10::optional<torch::Tensor>, double, c10::optional<torch::Tensor>>;
+
+  void add_layer(const LinearArgs& qkv, const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
+                 torch::Tensor input_norm, torch::Tensor post_attention_norm) {
+    layers_.push_back({make(qkv), make(o), make(gate_up), make(down), input_norm.contiguous(),
+                       post_attention_norm.contiguous()});
+  }
+
+  // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer.
+  // Returns the final norm's output, as LlamaForCausalLM.forward does.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
+                        torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor query_start,
+                        torch::Tensor seq_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache pair per layer");
+    const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
+    torch::Tensor residual = x;
+    torch::Tensor h = sluice::rms_norm(x, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      const auto& [k_cache, v_cache] = kv_caches[i];
+      torch::Tensor q = sluice::rope_write_kv(l.qkv(h), cos, sin, k_cache, v_cache, slot_mapping, num_heads_,
+                                              num_kv_heads_);
+      torch::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
+      attn = l.o(attn.reshape({T, q_size}));
+      std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
+      torch::Tensor mlp = l.down(sluice::silu_and_mul(l.gate_up(h)));
+      const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
+      std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
+    }
+    return h;
+  }
+
+ private:
+  static StackLinear make(const LinearArgs& a) {
+    StackLinear s;
+    s.n = std::get<0>(a);
+    if (std::get<1>(a)) s.packed = *std::get<1>(a);
+    if (std::get<2>(a)) s.q_packed = *std::get<2>(a);
+    if (std::get<3>(a)) s.qscale = *std::get<3>(a);
+    s.int8_max_rows = std::get<4>(a);
+    s.bias = std::get<5>(a);
+    TORCH_CHECK(s.packed.defined() || s.q_packed.defined(), "a linear layer needs packed weights");
+    return s;
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  torch::Tensor final_norm_;
+  std::vector<StackLayer> layers_;
+};
+
+}  // namespace
+
+void register_decoder_stack(pybind11::module& m) {
+  pybind11::class_<DecoderStack>(m, "DecoderStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"),
+           pybind11::arg("final_norm"))
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("forward", &DecoderStack::forward);
+}
+#else
+void register_decoder_stack(pybind11::module&) {}
+#endif

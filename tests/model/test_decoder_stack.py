@@ -1,0 +1,51 @@
+"""The C++ decoder stack (kernels.DecoderStack) gives the same bits as the Python loop
+over the same kernels, and runs on the steps it is meant for."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+from sluice.worker.kernels import for_model
+
+pytestmark = pytest.mark.skipif(for_model(torch.device("cpu"), torch.bfloat16) is None,
+                                reason="needs the C++ kernels (AVX-512 BF16)")
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
+           "def fibonacci(n):"]
+
+
+class CountingStack:
+    """Wraps the stack to count the steps it ran."""
+
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def run(llm: LLM, params: SamplingParams):
+    outs = llm.generate(PROMPTS, params)
+    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("kind,quantization,deterministic", [
+    ("llama", None, False), ("qwen2", None, False), ("llama", "int8", False), ("llama3-rope", None, True),
+])
+def test_stack_matches_python_loop_bitwise(tiny_checkpoint, kind, quantization, deterministic):
+    llm = LLM(model=str(tiny_checkpoint(kind)), dtype="bfloat16", num_blocks=64, quantization=quantization,
+              deterministic=deterministic, max_num_batched_tokens=16)
+    model = llm.engine.runner.model
+    assert model._stack is not None
+    counter = model._stack = CountingStack(model._stack)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    with_stack = run(llm, params)
+    assert counter.calls > 0
+    model._stack = None
+    assert run(llm, params) == with_stack
+
+
+def test_float32_has_no_stack(tiny_llm):
+    assert tiny_llm.engine.runner.model._stack is None
