@@ -7,7 +7,11 @@ all in the same engine and sitting.
 (a) continuous: every request is queued at once; the scheduler admits up to --batch running
     requests and refills a slot the step one finishes.
 (b) static: batches of --batch requests; the next batch is admitted only when the whole
-    previous batch has finished (what `generate` on padded batches does).
+    previous batch has finished. A finished request leaves the batch, so later steps of
+    the batch run fewer rows (kinder to static batching than `generate` is).
+(b') static, padded: as (b), but every request of a batch runs until the batch's longest
+    output is done and only its own tokens count: what Hugging Face `generate` does with a
+    padded batch, whose finished rows keep computing (prompts are still not padded here).
 (c) sequential: one request at a time, on the first --sequential-requests requests
     (a full sequential run would take many minutes; its rate does not depend on the count).
 """
@@ -24,17 +28,23 @@ from sluice import LLMEngine, SamplingParams
 from sluice.bench.workload import make_prompts
 
 
-def run_waves(engine: LLMEngine, waves: list[list[tuple[list[int], int]]]) -> tuple[int, float]:
-    """Run each wave to completion before queuing the next; returns (output tokens, seconds)."""
+def run_waves(engine: LLMEngine, waves: list[list[tuple[list[int], int]]], pad: bool = False) -> tuple[int, float]:
+    """Run each wave to completion before queuing the next; returns (output tokens, seconds).
+    pad: every request of a wave generates as many tokens as the wave's longest, of which
+    only its own count."""
     tokens, t0, rid = 0, time.perf_counter(), 0
     for wave in waves:
+        wanted = {}
+        longest = max(out_len for _, out_len in wave)
         for prompt, out_len in wave:
-            engine.add_request(f"r{rid}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+            wanted[f"r{rid}"] = out_len
+            params = SamplingParams(temperature=0, max_tokens=longest if pad else out_len, ignore_eos=True)
+            engine.add_request(f"r{rid}", prompt, params)
             rid += 1
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
-                    tokens += len(o.outputs[0].token_ids)
+                    tokens += min(len(o.outputs[0].token_ids), wanted[o.request_id])
     return tokens, time.perf_counter() - t0
 
 
@@ -70,6 +80,7 @@ def main() -> None:
     modes = {
         "continuous": lambda: run_waves(engine, [work]),
         "static": lambda: run_waves(engine, [work[i:i + b] for i in range(0, len(work), b)]),
+        "static_padded": lambda: run_waves(engine, [work[i:i + b] for i in range(0, len(work), b)], pad=True),
         "sequential": lambda: run_waves(engine, [[w] for w in work[:args.sequential_requests]]),
     }
     results: dict[str, list[float]] = {m: [] for m in modes}
@@ -85,6 +96,7 @@ def main() -> None:
         "output_len": "16..512" if args.mixed_output else args.output_len,
         "output_tok_per_s": med,
         "continuous_over_static": med["continuous"] / med["static"],
+        "continuous_over_static_padded": med["continuous"] / med["static_padded"],
         "continuous_over_sequential": med["continuous"] / med["sequential"],
         "preemptions": engine.scheduler.num_preemptions,
     }
