@@ -649,3 +649,12 @@ def test_min_tokens_ban_only_on_logits_rows():
     assert entry(plan, "b").needs_logits and entry(plan, "b").banned_token_ids == []
     run_to_completion(sched)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_token_budget_default_depends_on_the_device():
+    from sluice.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
+    assert EngineConfig.from_kwargs().scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 256
+    assert EngineConfig.from_kwargs(device="cuda").scheduler.max_num_batched_tokens == GPU_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig.from_kwargs(max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig.from_kwargs(max_num_batched_tokens=0)

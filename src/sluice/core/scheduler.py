@@ -83,6 +83,8 @@ class Scheduler:
         return self.kv.reset_prefix_cache()
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        if config.max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens is unset: EngineConfig.validate() picks the device's default")
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len

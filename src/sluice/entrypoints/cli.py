@@ -24,8 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step (default 2048)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default 256 on a CPU, 2048 on a GPU)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse cached KV blocks of repeated prompt prefixes")
     g.add_argument("--deterministic", action="store_true",
