@@ -67,6 +67,9 @@ def plot(result: dict, path: str) -> None:
         rows = [r for r in ctx if r["concurrency"] == c]
         axes[1].plot([r["context"] for r in rows], [r["tpot_p50_ms"] for r in rows], marker="o", label=f"c{c}")
     axes[1].set(xscale="log", xlabel="context length (tokens)", ylabel="TPOT p50 (ms)", title="TPOT vs context length")
+    lengths = sorted({r["context"] for r in ctx})
+    axes[1].set_xticks(lengths, [str(x) for x in lengths])
+    axes[1].minorticks_off()
     axes[1].legend()
     phases = ["schedule", "prepare_inputs", "forward", "logits_and_sampling", "update_and_detokenize"]
     bars = [r for r in conc if r["concurrency"] in (1, 8, 32)]
