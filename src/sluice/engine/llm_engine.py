@@ -24,7 +24,7 @@ from sluice.request import Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.tokenizer import Tokenizer
 from sluice.worker import kernels
-from sluice.worker.model_runner import FLAT_PREFILL_MAX_CONTEXT, ModelRunner, RunnerTimings
+from sluice.worker.model_runner import ModelRunner, RunnerTimings
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
-                                  batch_invariant_kernels=model_kernels if mc.deterministic else None,
-                                  flat_prefill_max_context=FLAT_PREFILL_MAX_CONTEXT if model_kernels else 0)
+                                  batch_invariant_kernels=model_kernels if mc.deterministic else None)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

@@ -58,9 +58,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def flat_attention_kernel(meta: AttentionMetadata):
     """The kernel module that computes the whole flat batch in one call, or None: always in
-    deterministic mode (every token through one per-token routine), and otherwise for steps
-    with no SDPA prompt chunk: decode-only steps, and steps whose chunks the runner left to
-    the kernel (short contexts). Padding rows come out as zeros."""
+    deterministic mode (every token through one per-token routine), and for decode-only
+    steps otherwise (no gather and scatter of decode rows). Padding rows come out as zeros."""
     if meta.batch_invariant_kernels is not None:
         return meta.batch_invariant_kernels
     return meta.decode_kernel if not meta.prefills else None

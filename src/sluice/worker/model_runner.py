@@ -51,22 +51,13 @@ def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[t
 # Prompt rows scored per LM-head call: 256 x 49152 float32 logits are 48 MiB.
 PROMPT_LOGPROB_ROWS = 256
 
-# With our kernels, a step whose prompt chunks all end within this many tokens runs its
-# attention as one flat kernel call (and its layers as one C++ call) rather than SDPA per
-# chunk plus the decode kernel: prompt throughput is even with SDPA up to 512 tokens of
-# context and falls behind beyond (348 vs 476 tok/s at 4,096), while the mixed steps of
-# serving skip the per-chunk gathers and ~300 Python calls (measured, docs/benchmarks.md).
-FLAT_PREFILL_MAX_CONTEXT = 512
-
 
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 use_kernels: bool = True, batch_invariant_kernels=None, flat_prefill_max_context: int = 0):
+                 use_kernels: bool = True, batch_invariant_kernels=None):
         self.model = model
         # Deterministic mode: attention for every token through one batch-invariant kernel.
         self.batch_invariant_kernels = batch_invariant_kernels
-        # Default mode: prompt chunks ending within this context join the flat kernel call too.
-        self.flat_prefill_max_context = flat_prefill_max_context
         self.arch = model.arch
         self.dtype = dtype
         self.device = device
@@ -105,9 +96,6 @@ class ModelRunner:
         # One tensor built from padded lists: a per-request copy would be B small ops per step.
         block_tables = torch.tensor([e.block_ids + [0] * (max_blocks - len(e.block_ids)) for e in plan.scheduled],
                                     dtype=torch.long)
-        flat = self.batch_invariant_kernels is not None or (self.decode_kernel is not None and all(
-            e.start_pos + len(e.token_ids) <= self.flat_prefill_max_context
-            for e in plan.scheduled if len(e.token_ids) > 1))
         for i, e in enumerate(plan.scheduled):
             q = len(e.token_ids)
             start, end = query_start[-1], query_start[-1] + q
@@ -124,7 +112,7 @@ class ModelRunner:
             if q == 1:
                 decode_rows.append(start)
                 decode_reqs.append(i)
-            elif not flat:  # the chunk goes through SDPA, with its own record
+            elif self.batch_invariant_kernels is None:
                 mask = None
                 if e.start_pos > 0:
                     # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
