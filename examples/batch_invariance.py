@@ -9,9 +9,9 @@ prints how many crowded runs gave bitwise the solo run's tokens and logprobs, an
 largest logprob difference seen.
 
 The probe is a ~700-token document and a question. The default bfloat16 mode already
-runs batch-invariant kernels for the linear layers and for the attention of decodes and
-of prompt chunks within 512 tokens of context; a longer prompt's later chunks go through
-SDPA, whose result depends on how the prompt was chunked, i.e. on its neighbours.
+runs batch-invariant kernels for the linear layers and for decode attention; its prompt
+chunks go through SDPA, whose result depends on how the prompt was chunked, i.e. on its
+neighbours.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 // The decoder layers of a Llama-family model as one C++ call.
 //
 // Steps whose attention is one flat kernel call (worker/attention.py's
-// flat_attention_kernel: decode-only steps, steps whose prompt chunks have short
-// contexts, every step in deterministic mode) run the same kernels as the Python forward,
-// in the same order with the same arguments, so the bits are the same; only the ~10
-// Python -> C++ crossings per layer (module calls, argument conversion, result wrapping)
-// are gone. At one row, where a step reads ~100 MB of int8 weights in ~5 ms, those
-// crossings cost ~1.5 ms. The GIL stays held: releasing it let the HTTP thread compete
-// with the OpenMP workers for the cores and cost throughput at 32 clients (measured).
+// flat_attention_kernel: decode-only steps, and every step in deterministic mode) run the
+// same kernels as the Python forward, in the same order with the same arguments, so the
+// bits are the same; only the ~10 Python -> C++ crossings per layer (module calls,
+// argument conversion, result wrapping) are gone. At one row, where a step reads ~100 MB
+// of int8 weights in ~5 ms, those crossings cost ~1.5 ms. The GIL stays held: releasing
+// it let the HTTP thread compete with the OpenMP workers for the cores and cost
+// throughput at 32 clients (measured).
 #include <torch/extension.h>
 
 #include <tuple>
