@@ -18,7 +18,7 @@ def k():
 
 def row_slices(m: int):
     """(start, rows) windows of an m-row batch: alone, in small and odd-sized batches."""
-    return [(s, n) for n in (1, 2, 3, 4, 5, 17) for s in (0, 1, m - n) if s + n <= m]
+    return [(s, n) for n in (1, 2, 3, 4, 5, 7, 8, 9, 17) for s in (0, 1, m - n) if s + n <= m]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -40,6 +40,21 @@ def test_linear_matches_reference_and_is_row_invariant(k, dtype, n, kdim, bias):
     logits = k.bi_linear(x, packed, n, b, True)
     assert logits.dtype == torch.float32
     assert torch.equal(k.bi_linear(x[5:6], packed, n, b, True), logits[5:6])
+
+
+def test_int8_linear_matches_reference_and_is_row_invariant(k):
+    """int8 weights (widened to bf16 in registers, the column scale after the sum)."""
+    g = torch.Generator().manual_seed(3)
+    n, kdim = 200, 131
+    q = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(70, kdim, generator=g).to(torch.bfloat16)
+    packed = k.bi_pack_weight_int8(q)
+    full = k.bi_linear_int8(x, packed, scale, n, None, True)
+    ref = x.float() @ (q.float() * scale[:, None]).T
+    torch.testing.assert_close(full, ref, atol=1e-3 * ref.abs().max().item(), rtol=0)
+    for s, m in row_slices(70):
+        assert torch.equal(k.bi_linear_int8(x[s:s + m], packed, scale, n, None, True), full[s:s + m]), (s, m)
 
 
 def test_torch_matmul_is_not_row_invariant():
