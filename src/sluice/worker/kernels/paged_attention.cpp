@@ -52,6 +52,113 @@ inline void softmax16(float* s, int64_t n) {
 
 constexpr int kMaxGroup = 8;    // query heads per kv head handled in registers
 constexpr int kMaxChunks = 8;   // head_dim / 16
+
+// The sum of 16 lanes, for 16 vectors at once: out lane j = the sum of v[j]'s lanes, in
+// exactly the pairing _mm512_reduce_add_ps uses (lane i with i + 8, then + 4, + 2, + 1;
+// float addition is commutative, so the operands' order within a pair does not matter).
+// One vector of 16 scores from ~46 instructions instead of 16 scalar reductions.
+inline __m512 reduce_add_16x16(const float (*v)[16]) {
+  __m512 w[8], z[4], u[2];
+  for (int k = 0; k < 8; ++k) {  // lanes 0-7: v[2k][l] + v[2k][l + 8]; lanes 8-15: the same for v[2k + 1]
+    const __m512 a = _mm512_load_ps(v[2 * k]), b = _mm512_load_ps(v[2 * k + 1]);
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int m = 0; m < 4; ++m)  // quarter Q of z[m]: the four partial sums of key 4m + Q
+    z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int n = 0; n < 2; ++n)  // quarter Q of u[n]: two sums each of keys 8n + Q and 8n + 4 + Q
+    u[n] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * n], z[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(z[2 * n], z[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Lane 4Q + i now holds key 4i + Q; put key j in lane j.
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, r);
+}
+
+// Walks a block table one cached row at a time without a division per row.
+template <typename T>
+struct RowCursor {
+  const T* base;
+  const int64_t* blocks;
+  int64_t block_size, row_elems, blk = 0, off = 0;
+  const T* row() const { return base + (blocks[blk] * block_size + off) * row_elems; }
+  void next() {
+    if (++off == block_size) { off = 0; ++blk; }
+  }
+};
+
+// attend_one for G query heads per kv head and head_dim = 16 C, known when compiled: q,
+// the K row and the accumulators live in registers. The arithmetic is attend_one's own,
+// operation for operation, so the bits are the same.
+template <int G, int C, typename T>
+void attend_fixed(const float* qf, const T* kh, const T* vh, const int64_t* blocks, int64_t len,
+                  int64_t block_size, float* scores, float* acc) {
+  constexpr int64_t D = C * 16;
+  __m512 q[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
+  alignas(64) float part[G][16][16];
+  RowCursor<T> kc{kh, blocks, block_size, D};
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
+    for (int j = 0; j < n; ++j, kc.next()) {
+      const T* k = kc.row();
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 sum = _mm512_mul_ps(q[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(q[g][c], kv[c], sum);
+        _mm512_store_ps(part[g][j], sum);
+      }
+    }
+    for (int j = n; j < 16; ++j)
+      for (int g = 0; g < G; ++g) _mm512_store_ps(part[g][j], _mm512_setzero_ps());
+    const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * len + t0, m, reduce_add_16x16(part[g]));
+  }
+  for (int g = 0; g < G; ++g) softmax16(scores + g * len, len);
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  RowCursor<T> vc{vh, blocks, block_size, D};
+  for (int64_t t = 0; t < len; ++t, vc.next()) {
+    const T* v = vc.row();
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+
+// The compiled attend_fixed for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, float*, float*);
+template <typename T, int C>
+AttendFn<T> attend_fixed_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_fixed<1, C, T>;
+    case 2: return &attend_fixed<2, C, T>;
+    case 3: return &attend_fixed<3, C, T>;
+    case 4: return &attend_fixed<4, C, T>;
+    case 5: return &attend_fixed<5, C, T>;
+    case 6: return &attend_fixed<6, C, T>;
+    case 7: return &attend_fixed<7, C, T>;
+    case 8: return &attend_fixed<8, C, T>;
+    default: return nullptr;
+  }
+}
+template <typename T>
+AttendFn<T> attend_fixed_for(int64_t group, int64_t head_dim) {
+  if (head_dim == 64) return attend_fixed_for_group<T, 4>(group);
+  if (head_dim == 128) return attend_fixed_for_group<T, 8>(group);
+  return nullptr;
+}
 #endif
 
 template <typename T>
@@ -177,6 +284,11 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
   auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     const int64_t* btp = bt.data_ptr<int64_t>();
+#if defined(__AVX512F__)
+    const AttendFn<T_> fixed = attend_fixed_for<T_>(group, head_dim);
+#else
+    const void* fixed = nullptr;
+#endif
     at::parallel_for(0, T * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
       for (int64_t work = begin; work < end; ++work) {
@@ -188,8 +300,15 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
           const T_* src = qp + (t * num_heads + h * group + g) * head_dim;
           for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
         }
-        attend_one(qf.data(), kp + h * num_blocks * block_size * head_dim, vp + h * num_blocks * block_size * head_dim,
-                   btp + tok_req[t] * max_blocks, len, block_size, group, head_dim, scores.data(), acc.data());
+        const T_* kh = kp + h * num_blocks * block_size * head_dim;
+        const T_* vh = vp + h * num_blocks * block_size * head_dim;
+        const int64_t* blocks = btp + tok_req[t] * max_blocks;
+#if defined(__AVX512F__)
+        if (fixed) {
+          fixed(qf.data(), kh, vh, blocks, len, block_size, scores.data(), acc.data());
+        } else
+#endif
+        attend_one(qf.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(), acc.data());
         for (int64_t g = 0; g < group; ++g) {
           T_* dst = op + (t * num_heads + h * group + g) * head_dim;
           for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T_>(acc[g * head_dim + i]);
