@@ -53,16 +53,17 @@ def window_logprobs(llm: LLM, windows: list[list[int]]):
         yield torch.log_softmax(engine.runner.model.compute_logits(hidden[:len(ids) - 1]).float(), dim=-1)
 
 
-def window_metrics(llm: LLM, windows: list[list[int]], reference: list[torch.Tensor] | None) -> dict:
-    """Perplexity, and against the reference log-probabilities (float32's) top-1 agreement
-    and mean KL(reference || this)."""
+def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None) -> dict:
+    """Perplexity, and against the reference model's (float32's) log-probabilities, computed
+    window by window alongside, top-1 agreement and mean KL(reference || this)."""
     nll, count, top1, kl = 0.0, 0, 0, 0.0
+    refs = window_logprobs(reference, windows) if reference is not None else None
     for i, logp in enumerate(window_logprobs(llm, windows)):
         targets = torch.tensor(windows[i][1:])
         nll -= float(logp.gather(1, targets[:, None]).sum())
         count += len(targets)
-        if reference is not None:
-            ref = reference[i]
+        if refs is not None:
+            ref = next(refs)
             top1 += int((ref.argmax(-1) == logp.argmax(-1)).sum())
             kl += float((ref.exp() * (ref - logp)).sum())
     row = {"perplexity": math.exp(nll / count)}
@@ -76,23 +77,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens")
+    ap.add_argument("--corpus-prompts", type=int, default=32, help="greedy prompts cut from the corpus")
+    ap.add_argument("--variants", default="bfloat16,int8", help="compared with float32")
     args = ap.parse_args()
     variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
                 "int8": dict(dtype="bfloat16", quantization="int8")}
+    variants = {k: v for k, v in variants.items() if k == "float32" or k in args.variants.split(",")}
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     tokens, extra_tokens, rows = {}, {}, {}
-    reference = None
+    reference = None  # the float32 model, kept to score each window beside the variant
     for name, kwargs in variants.items():
         llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False, **kwargs)
         prompts = PROMPTS + [llm.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        extra = make_prompts(llm.tokenizer, 32, 20, 200, seed=7)
+        extra = make_prompts(llm.tokenizer, args.corpus_prompts, 20, 200, seed=7)
         extra_tokens[name] = [o.outputs[0].token_ids for o in llm.generate(extra, params)]
-        windows = make_prompts(llm.tokenizer, 8, 512, 512, seed=123)
-        if reference is None:  # float32 comes first: keep its log-probabilities to compare with
-            reference = list(window_logprobs(llm, windows))
-        rows[name] = window_metrics(llm, windows, reference if name != "float32" else None)
-        del llm
+        windows = make_prompts(llm.tokenizer, args.windows, 512, 512, seed=123)
+        rows[name] = window_metrics(llm, windows, reference)
+        if reference is None:  # float32 comes first
+            reference = llm
     for name, row in rows.items():
         for label, got in (("", tokens), ("corpus_", extra_tokens)):
             same = [a == b for a, b in zip(got[name], got["float32"])]
