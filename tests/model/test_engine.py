@@ -55,6 +55,32 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, reference):
     assert_all_blocks_free(llm)
 
 
+def test_prompt_chunks_through_the_flat_kernel_give_the_same_tokens(tiny_checkpoint, reference):
+    """With flat_prefill (bf16 with our kernels; switched on here in float32, whose tokens
+    the reference fixes) prompt chunks join the one flat attention call of their step
+    instead of SDPA, and the tokens are those of the plain path."""
+    prompts, expected = reference
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=256,
+              max_num_batched_tokens=16)
+    runner = llm.engine.runner
+    if runner.decode_kernel is None:
+        pytest.skip("the C++ attention kernel did not build")
+    assert not runner.flat_prefill  # float32 keeps SDPA
+    runner.flat_prefill = True
+    seen = {"flat": 0, "sdpa": 0}
+    forward = runner.model.forward
+
+    def observing(input_ids, positions, meta, kv_caches):
+        if meta.query_start_loc.diff().max() > 1:  # the step carries a prompt chunk
+            seen["sdpa" if meta.prefills else "flat"] += 1
+        return forward(input_ids, positions, meta, kv_caches)
+    runner.model.forward = observing
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert seen["flat"] > 0 and seen["sdpa"] == 0, seen
+    assert_all_blocks_free(llm)
+
+
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_checkpoint, reference):
     """A cache far too small for the batch forces preemptions; greedy output is unchanged."""
     prompts, expected = reference

@@ -80,7 +80,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
-                                  batch_invariant_kernels=model_kernels if mc.deterministic else None)
+                                  batch_invariant_kernels=model_kernels if mc.deterministic else None,
+                                  flat_prefill=model_kernels is not None)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

@@ -3,12 +3,14 @@
 Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim], head-major, so that
 gathering a request's blocks yields [kv_heads, tokens, head_dim] with no further copy.
 New K/V are written through `slot_mapping` (block_id * block_size + offset); past K/V
-are read only through block tables. Decode tokens (one query each) go through the C++
-kernel in worker/kernels where it is built (it walks block tables in place), else through
-two batched matmuls over their gathered blocks; each prefill chunk runs one
+are read only through block tables. With our bf16 C++ kernels (worker/kernels) every token
+of a step, prompt chunk or decode, goes through one paged_attention_varlen call that walks
+the block tables in place, one per-token routine, so the same routine serves deterministic
+mode, where it makes a token's output independent of its batch. Otherwise (float32, no
+AVX-512, GPU) decode tokens go through the C++ decode kernel where it is built, else two
+batched matmuls over their gathered blocks, and each prefill chunk runs one
 scaled_dot_product_attention call with a causal mask offset by the tokens it already has
-in the cache. In deterministic mode every token goes through one C++ routine instead
-(paged_attention_varlen), so a token's output does not depend on how it was batched.
+in the cache.
 """
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def flat_attention_kernel(meta: AttentionMetadata):
     """The kernel module that computes the whole flat batch in one call, or None: always in
-    deterministic mode (every token through one per-token routine), and for decode-only
-    steps otherwise (no gather and scatter of decode rows). Padding rows come out as zeros."""
+    deterministic mode (every token through one per-token routine), and otherwise for steps
+    with no SDPA prompt chunk: decode-only steps, and every step where the runner sends
+    prompt chunks to the kernel too (bf16 with our kernels). Padding rows come out as zeros."""
     if meta.batch_invariant_kernels is not None:
         return meta.batch_invariant_kernels
     return meta.decode_kernel if not meta.prefills else None

@@ -51,13 +51,17 @@ def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[t
 # Prompt rows scored per LM-head call: 256 x 49152 float32 logits are 48 MiB.
 PROMPT_LOGPROB_ROWS = 256
 
-
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 use_kernels: bool = True, batch_invariant_kernels=None):
+                 use_kernels: bool = True, batch_invariant_kernels=None, flat_prefill: bool = False):
         self.model = model
         # Deterministic mode: attention for every token through one batch-invariant kernel.
         self.batch_invariant_kernels = batch_invariant_kernels
+        # Prompt chunks join the decodes in one flat kernel call (and the layers run as one
+        # C++ call) rather than SDPA per chunk: with our bf16 kernels it is faster at every
+        # prompt length measured, 128 to 8,000 tokens (docs/benchmarks.md). Float32 keeps
+        # SDPA, the reference numerics of the exact-match tests.
+        self.flat_prefill = flat_prefill
         self.arch = model.arch
         self.dtype = dtype
         self.device = device
@@ -96,6 +100,7 @@ class ModelRunner:
         # One tensor built from padded lists: a per-request copy would be B small ops per step.
         block_tables = torch.tensor([e.block_ids + [0] * (max_blocks - len(e.block_ids)) for e in plan.scheduled],
                                     dtype=torch.long)
+        flat = self.batch_invariant_kernels is not None or (self.decode_kernel is not None and self.flat_prefill)
         for i, e in enumerate(plan.scheduled):
             q = len(e.token_ids)
             start, end = query_start[-1], query_start[-1] + q
@@ -112,7 +117,7 @@ class ModelRunner:
             if q == 1:
                 decode_rows.append(start)
                 decode_reqs.append(i)
-            elif self.batch_invariant_kernels is None:
+            elif not flat:  # the chunk goes through SDPA, with its own record
                 mask = None
                 if e.start_pos > 0:
                     # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
