@@ -193,13 +193,24 @@ class AsyncEngine:
                     self.engine.abort(rid)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One call_soon_threadsafe per event loop per step, not one per request: each such
+        # call wakes the loop through its self-pipe, and at c32 the 32 wake-ups a step cost
+        # as many GIL hand-offs between the engine thread and the server's.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 del self._streams[out.request_id]
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
