@@ -29,6 +29,25 @@ from sluice.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on /v1 routes. A plain ASGI middleware, not
+    Starlette's BaseHTTPMiddleware (`@app.middleware`), which passes every chunk of a
+    streamed response through a memory stream and a task switch of its own."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = Request(scope).headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.key):
+                response = error_json(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -76,15 +95,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         logger.exception("internal error")
         return error_json(500, "internal server error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), config.api_key.encode()):
-                return error_json(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
     def admit(model: str | None) -> None:
         if model is not None and model != config.served_model_name:
