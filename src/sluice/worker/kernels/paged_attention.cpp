@@ -289,9 +289,15 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
 #else
     const void* fixed = nullptr;
 #endif
-    at::parallel_for(0, T * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Thread p of P takes every P-th (token, kv head), not a contiguous range: the tokens
+    // of a prompt chunk attend ever longer contexts, and contiguous halves of a chunk
+    // would leave one thread a quarter of its work and the other three quarters.
+    const int64_t total = T * num_kv_heads;
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-      for (int64_t work = begin; work < end; ++work) {
+      for (int64_t part = part_begin; part < part_end; ++part)
+      for (int64_t work = part; work < total; work += parts) {
         const int64_t t = work / num_kv_heads, h = work % num_kv_heads;
         if (tok_req[t] < 0) continue;
         const int64_t len = tok_len[t];
