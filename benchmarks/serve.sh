@@ -16,3 +16,5 @@ trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 1; done
 .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONC" --requests "$REQS" \
     --input-len 210 --output-len 128 --json "$OUT.json" --plot "$PLOT"
+# The server's peak resident memory over the run (weights, KV cache, everything else).
+grep VmHWM "/proc/$SERVER/status" | tee -a "$OUT.log"
