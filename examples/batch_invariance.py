@@ -1,6 +1,6 @@
 """Show the difference between the default and the deterministic mode.
 
-    .venv/bin/python examples/batch_invariance.py [--trials 5]
+    .venv/bin/python examples/batch_invariance.py [--trials 5] [--dtype float32] [--quantization int8]
 
 One greedy probe request, with logprobs, runs alone, then beside a crowd of other
 requests arriving at different steps, under a small step budget (so its prompt is
@@ -8,10 +8,13 @@ chunked) and a small KV cache (so requests get preempted and recomputed). In eac
 prints how many crowded runs gave bitwise the solo run's tokens and logprobs, and the
 largest logprob difference seen.
 
-The probe is a ~700-token document and a question. The default bfloat16 mode already
-runs batch-invariant kernels for the linear layers and for decode attention; its prompt
-chunks go through SDPA, whose result depends on how the prompt was chunked, i.e. on its
-neighbours.
+The probe is a ~700-token document and a question. On a CPU with AVX-512 BF16 the
+default bfloat16 mode runs the same batch-invariant kernels as deterministic mode for the
+linear layers, norms and attention, so there the two usually agree; what the default does
+not fix is RoPE's cos/sin (computed per batch) and, with int8 weights, which kernel a
+step's row count selects (int8 at up to 8 rows, the dequantized bf16 weights above). In
+float32 the default keeps torch's matmul and SDPA, whose results depend on the batch:
+`--dtype float32` or `--quantization int8` shows the default mode's difference.
 """
 from __future__ import annotations
 
@@ -52,9 +55,12 @@ def run(engine: LLMEngine, probe: list[int], crowd: list[tuple[int, str, int]]):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=[None, "int8"])
     args = ap.parse_args()
     for deterministic in (False, True):
-        engine = LLMEngine.from_kwargs(deterministic=deterministic, num_blocks=80, max_num_batched_tokens=64)
+        engine = LLMEngine.from_kwargs(deterministic=deterministic, num_blocks=80, max_num_batched_tokens=64,
+                                       dtype=args.dtype, quantization=args.quantization)
         tok = engine.tokenizer
         probe = make_prompts(tok, 1, 700, 700, seed=3)[0] + tok.encode(QUESTION, add_special_tokens=False)
         tokens, logprobs = run(engine, probe, [])

@@ -1,0 +1,87 @@
+"""Timings of the C++ kernels alone, at the default model's shapes (SmolLM2-135M: hidden
+576, 9 heads / 3 kv heads of 64, MLP 1,536, vocabulary 49,152), on random weights.
+
+    python benchmarks/kernels.py
+
+Linear: the 120 linear layers of a forward pass with 30 distinct sets of weights (so that
+they stream from memory as the model's do), bf16 and int8, and the LM head, by rows.
+Attention: `paged_attention_varlen` per layer, decode (B sequences of L cached tokens)
+and one prompt of L tokens. Medians of repeated calls, in ms.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from sluice.worker import kernels
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    k = kernels.load()
+    if k is None or not hasattr(k, "bi_linear"):
+        raise SystemExit("the C++ kernels are not available on this machine")
+    torch.manual_seed(0)
+    flops = 2 * 30 * sum(n * kk for n, kk in SHAPES.values())
+    bf16 = [{name: k.bi_pack_weight(torch.randn(n, kk, dtype=torch.bfloat16) * 0.02)
+             for name, (n, kk) in SHAPES.items()} for _ in range(30)]
+    int8 = [{name: (k.bi_pack_weight_int8(torch.randint(-127, 128, (n, kk), dtype=torch.int8)), torch.rand(n) * 0.01)
+             for name, (n, kk) in SHAPES.items()} for _ in range(30)]
+    head = k.bi_pack_weight(torch.randn(49152, 576, dtype=torch.bfloat16) * 0.02)
+    print("rows | 120 layers bf16 ms (GFLOP/s) | 120 layers int8 ms | LM head ms")
+    for m in (1, 8, 32, 64, 256):
+        xs = {name: torch.randn(m, kk, dtype=torch.bfloat16) for name, (n, kk) in SHAPES.items()}
+        reps = 15 if m < 256 else 5
+
+        def layers_bf16():
+            for layer in bf16:
+                for name, (n, _) in SHAPES.items():
+                    k.bi_linear(xs[name], layer[name], n, None, False)
+
+        def layers_int8():
+            for layer in int8:
+                for name, (n, _) in SHAPES.items():
+                    k.bi_linear_int8(xs[name], *layer[name], n, None, False)
+        t = median_ms(layers_bf16, reps)
+        t8 = median_ms(layers_int8, reps) if m <= 32 else float("nan")
+        th = median_ms(lambda: k.bi_linear(xs["o"], head, 49152, None, True), reps)
+        print(f"{m:4d} | {t:7.2f} ({flops * m / t / 1e6:5.1f}) | {t8:7.2f} | {th:6.2f}", flush=True)
+
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    num_blocks = 4096
+    kc = torch.randn(kv_heads, num_blocks, block, dim, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+
+    def attention(q_lens: list[int], ctx: list[int]) -> float:
+        nb = [(c + block - 1) // block for c in ctx]
+        table = torch.zeros(len(ctx), max(nb), dtype=torch.long)
+        start = 0
+        for i, n in enumerate(nb):
+            table[i, :n] = torch.arange(start, start + n) % num_blocks
+            start += n
+        qs = torch.tensor([0] + q_lens).cumsum(0)
+        q = torch.randn(int(qs[-1]), heads, dim, dtype=torch.bfloat16)
+        lens = torch.tensor(ctx)
+        return median_ms(lambda: k.paged_attention_varlen(q, kc, vc, table, qs, lens, dim ** -0.5), 20)
+    print("attention, ms per layer")
+    for b, ctx in ((1, 300), (32, 300), (32, 1000)):
+        print(f"decode {b} x {ctx}: {attention([1] * b, [ctx] * b):.3f}", flush=True)
+    for ctx in (210, 512, 2048):
+        print(f"prompt of {ctx}: {attention([ctx], [ctx]):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
