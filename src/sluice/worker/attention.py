@@ -1,4 +1,4 @@
-"""Paged attention with torch ops.
+"""Paged attention: one C++ kernel call per step where our kernels run, torch ops elsewhere.
 
 Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim], head-major, so that
 gathering a request's blocks yields [kv_heads, tokens, head_dim] with no further copy.

@@ -51,6 +51,7 @@ def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[t
 # Prompt rows scored per LM-head call: 256 x 49152 float32 logits are 48 MiB.
 PROMPT_LOGPROB_ROWS = 256
 
+
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
                  use_kernels: bool = True, batch_invariant_kernels=None, flat_prefill: bool = False):
