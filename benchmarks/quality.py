@@ -1,5 +1,5 @@
 """Does a speed trick change outputs? Greedy agreement with float32 and perplexity on
-held-out text, for float32, bfloat16 and int8 weights of the same model.
+held-out text, for float32, bfloat16, int8 weights and w8a8 (int8 weights and activations) of the same model.
 
     python benchmarks/quality.py [--json benchmarks/results/quality.json]
 
@@ -79,10 +79,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens")
     ap.add_argument("--corpus-prompts", type=int, default=32, help="greedy prompts cut from the corpus")
-    ap.add_argument("--variants", default="bfloat16,int8", help="compared with float32")
+    ap.add_argument("--variants", default="bfloat16,int8,w8a8", help="compared with float32")
     args = ap.parse_args()
     variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-                "int8": dict(dtype="bfloat16", quantization="int8")}
+                "int8": dict(dtype="bfloat16", quantization="int8"),
+                "w8a8": dict(dtype="bfloat16", quantization="w8a8")}
     variants = {k: v for k, v in variants.items() if k == "float32" or k in args.variants.split(",")}
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     tokens, extra_tokens, rows = {}, {}, {}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.worker import kernels
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -284,3 +285,22 @@ def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
         LLM(dtype="float32", quantization="int8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="quantization"):
         LLM(quantization="int4", kv_cache_memory=0.1)
+
+
+def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source):
+    """int8 weights times int8 activations in every decoder layer; the LM head keeps bf16
+    activations (int8 ones there doubled the divergence from float32)."""
+    kmod = kernels.for_model(torch.device("cpu"), torch.bfloat16)
+    if kmod is None or not getattr(kmod, "has_w8a8", False):
+        with pytest.raises(ValueError, match="w8a8"):
+            LLM(dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
+        return
+    llm = LLM(dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert "Paris" in out
+    model = llm.engine.runner.model
+    assert model.model.layers[0].mlp.down_proj.kernel.w8a8.dtype == torch.uint8
+    assert model._kernel_head.w8a8 is None
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(dtype="float32", quantization="w8a8", kv_cache_memory=0.1)

@@ -57,6 +57,45 @@ def test_int8_linear_matches_reference_and_is_row_invariant(k):
         assert torch.equal(k.bi_linear_int8(x[s:s + m], packed, scale, n, None, True), full[s:s + m]), (s, m)
 
 
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """x quantized to int8 per block of 32 k (scale max|x| / 127, round half to even), times
+    the int8 weights and their column scales, in float64."""
+    m, kdim = x.shape
+    kp = (kdim + 31) // 32 * 32
+    blocks = F.pad(x.float(), (0, kp - kdim)).reshape(m, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    xq = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
+    xd = (xq.double() * (amax / 127).double()).reshape(m, kp)[:, :kdim]
+    y = xd @ (q.double() * scale.double()[:, None]).T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("n,kdim,bias", [(200, 131, True), (48, 576, False), (576, 1536, False), (37, 7, True)])
+def test_w8a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
+    """int8 x int8 (w8a8): activations quantized per block of 32 inside the kernel."""
+    if not getattr(k, "has_w8a8", False):
+        pytest.skip("no AVX-512 VNNI")
+    g = torch.Generator().manual_seed(n + kdim)
+    q = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(70, kdim, generator=g)
+    x[:, kdim // 2] *= 50  # an outlier channel: its block's scale must not touch the others
+    x = x.to(torch.bfloat16)
+    packed = k.w8a8_pack_weight(q)
+    full = k.w8a8_linear(x, packed, scale, n, b, True)
+    ref = w8a8_reference(x, q, scale, b)
+    # Rounding ties may fall either way (one quantum of one element); anything wrong in the
+    # packing, offsets or scales is off by far more.
+    quantum = (x.float().abs().amax() / 127 * (q.float().abs() * scale[:, None]).amax()).item()
+    assert (full.double() - ref).abs().max().item() < 1.01 * quantum
+    assert (full.double() - ref).abs().median().item() < 1e-4 * ref.abs().max().item()
+    bf16 = k.w8a8_linear(x, packed, scale, n, b)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, full.to(torch.bfloat16))
+    for s, m in row_slices(70):
+        assert torch.equal(k.w8a8_linear(x[s:s + m], packed, scale, n, b, True), full[s:s + m]), (s, m)
+
+
 def test_torch_matmul_is_not_row_invariant():
     """Why the kernels exist: the library matmul's result for a row changes with the batch."""
     g = torch.Generator().manual_seed(0)

@@ -66,8 +66,8 @@ class LLMEngine:
             model = build_model(hf_config).to(self.dtype)
         model.load_weights(iter_weights(src, self.dtype))
         model.eval()
-        if mc.quantization == "int8" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
-            raise ValueError("quantization='int8' needs dtype bfloat16 on the CPU")
+        if mc.quantization is not None and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
+            raise ValueError(f"quantization={mc.quantization!r} needs dtype bfloat16 on the CPU")
         arch = model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
@@ -75,6 +75,8 @@ class LLMEngine:
             model_kernels = kernels.batch_invariant(self.device, self.dtype)
         else:
             model_kernels = kernels.for_model(self.device, self.dtype)
+        if mc.quantization == "w8a8":
+            kernels.require_w8a8(model_kernels)
         model.optimize_for(self.device, self.dtype, mc.quantization, model_kernels, mc.deterministic,
                            self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)

@@ -17,8 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and KV cache dtype; auto = bfloat16 where the CPU has avx512_bf16")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only int8 linear layers (bfloat16, CPU); faster single-stream decode")
+    g.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
+                   help="int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
+                        "w8a8: the same weights times int8-quantized activations (AVX-512 VNNI), faster "
+                        "batches and prompts (docs/benchmarks.md has the quality cost of each)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")

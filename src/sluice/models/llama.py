@@ -255,24 +255,27 @@ class LlamaForCausalLM(nn.Module):
         """After loading: quantize if asked; then, given our C++ kernels, run every linear
         layer, RMSNorm and SwiGLU through them (batch-invariant), else prepack weights where
         the device has a faster form. Deterministic mode also fixes the RoPE values."""
-        if quantization == "int8":
+        if quantization in ("int8", "w8a8"):  # the same int8 weights; w8a8 also quantizes activations
+            if quantization == "w8a8" and kernels is None:
+                raise ValueError("quantization='w8a8' runs on the C++ kernels only")
             quantize_int8(self, dtype)
             if self.lm_head is None:
                 # Tied head: an int8 copy for the head; the embedding table stays as loaded.
                 q, scale = quantize_per_channel(self.model.embed_tokens.weight)
                 self._int8_head = (q, scale.to(dtype))
         elif quantization is not None:
-            raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8' or 'w8a8', got {quantization!r}")
         if kernels is not None:
-            self._use_kernels(kernels, dtype, deterministic, max_positions or self.arch.max_position_embeddings)
+            self._use_kernels(kernels, dtype, deterministic, max_positions or self.arch.max_position_embeddings,
+                              quantization == "w8a8")
         elif can_prepack(device, dtype):
             prepack_linears(self)
             if self.lm_head is None:  # tied head: a packed copy beside the embedding table
                 self._packed_embedding = prepack_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
-    def _use_kernels(self, k, dtype: torch.dtype, deterministic: bool, max_positions: int) -> None:
-        use_kernels(self, k, deterministic)
+    def _use_kernels(self, k, dtype: torch.dtype, deterministic: bool, max_positions: int, w8a8: bool) -> None:
+        use_kernels(self, k, deterministic, w8a8)
         if self.lm_head is None:  # tied head: its own packed copy of the embedding table
             self._kernel_head = kernel_weight(k, self.model.embed_tokens.weight, self._int8_head, deterministic)
         else:
@@ -296,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         def linear(module: Linear):
             w: KernelWeight = module.kernel
             bias = None if module.bias is None else module.bias.detach()
-            return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias)
+            return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8)
 
         a = self.arch
         first = self.model.layers[0].self_attn

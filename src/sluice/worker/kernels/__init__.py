@@ -27,7 +27,8 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
         return load_extension(
             name="sluice_cpu_kernels",
-            sources=[str(_DIR / name) for name in ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp")],
+            sources=[str(_DIR / name) for name in
+                     ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp")],
             # No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
@@ -64,3 +65,11 @@ def for_model(device, dtype):
         return None
     mod = load()
     return mod if mod is not None and getattr(mod, "has_batch_invariant", False) else None
+
+
+def require_w8a8(mod) -> None:
+    """ValueError unless `mod` (the loaded kernels, or None) can run w8a8 linear layers."""
+    if mod is None:
+        raise ValueError("quantization='w8a8' needs the C++ kernels on a CPU with AVX-512 BF16 (see the log)")
+    if not getattr(mod, "has_w8a8", False):
+        raise ValueError("quantization='w8a8' needs a CPU with AVX-512 VNNI; this one lacks it")

@@ -26,8 +26,10 @@ struct StackLinear {
   torch::Tensor qscale;    // ... with float32 per-column scales
   double int8_max_rows = 0;
   c10::optional<torch::Tensor> bias;
+  torch::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (w8a8.defined()) return sluice::linear_w8a8(x, w8a8, qscale, n, bias, false);
     if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
       return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
     return sluice::linear(x, packed, n, bias, false);
@@ -46,9 +48,10 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         final_norm_(final_norm.contiguous()) {}
 
-  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias); absent tensors are None.
+  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias, w8a8); absent tensors are None.
   using LinearArgs = std::tuple<int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                                c10::optional<torch::Tensor>, double, c10::optional<torch::Tensor>>;
+                                c10::optional<torch::Tensor>, double, c10::optional<torch::Tensor>,
+                                c10::optional<torch::Tensor>>;
 
   void add_layer(const LinearArgs& qkv, const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
                  torch::Tensor input_norm, torch::Tensor post_attention_norm) {
@@ -90,7 +93,8 @@ class DecoderStack {
     if (std::get<3>(a)) s.qscale = *std::get<3>(a);
     s.int8_max_rows = std::get<4>(a);
     s.bias = std::get<5>(a);
-    TORCH_CHECK(s.packed.defined() || s.q_packed.defined(), "a linear layer needs packed weights");
+    if (std::get<6>(a)) s.w8a8 = *std::get<6>(a);
+    TORCH_CHECK(s.packed.defined() || s.q_packed.defined() || s.w8a8.defined(), "a linear layer needs packed weights");
     return s;
   }
 
