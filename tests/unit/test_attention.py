@@ -64,16 +64,17 @@ def test_kernel_handles_other_head_shapes():
                                    dense_reference(q, kc, vc, meta, d ** -0.5), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_compiled_shapes_give_the_generic_paths_bits(dtype, group):
-    """head_dim 64 runs a path compiled for the shape; zero-padding head_dim to 80 sends the
-    same numbers through the generic loops, whose extra terms are exact zeros: the outputs
-    must agree bit for bit. (128 shares the template; its generic twin, 144, is past the
-    vector path's 8 chunks, so it has no such check.)"""
+def test_compiled_shapes_give_the_generic_paths_bits(group):
+    """float32, head_dim 64 runs a path compiled for the shape; zero-padding head_dim to 80
+    sends the same numbers through the generic loops, whose extra terms are exact zeros:
+    the outputs must agree bit for bit. (128 shares the template; its generic twin, 144, is
+    past the vector path's 8 chunks, so it has no such check. bf16 caches of these shapes
+    take the bf16 dot-product routine, checked against float32 below.)"""
     mod = kernels.load()
     if mod is None:
         pytest.skip("C++ kernels could not be built here")
+    dtype = torch.float32
     for d, padded in [(64, 80)]:
         q, kc, vc, meta = make_case(dtype, num_kv_heads=2, group=group, head_dim=d, seed=group + d)
         pad = lambda t: torch.nn.functional.pad(t, (0, padded - d))  # noqa: E731
@@ -81,3 +82,32 @@ def test_compiled_shapes_give_the_generic_paths_bits(dtype, group):
         fixed = mod.paged_attention_varlen(q, kc, vc, *args)
         generic = mod.paged_attention_varlen(pad(q), pad(kc).contiguous(), pad(vc).contiguous(), *args)
         assert torch.equal(fixed, generic[..., :d]), (d, group)
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 64), (2, 128), (5, 128)])
+def test_bf16_routine_is_as_close_to_float32_as_rounding_allows(group, head_dim):
+    """A bf16 cache with head_dim 64/128 runs on bf16 dot products (probabilities rounded
+    to bf16 for the weighted sum of V). Its error against float32 attention over the same
+    numbers must stay within a few bf16 roundings of the output, close to what rounding the
+    float32 kernel's own output costs, and prompt tokens must give a decode's bits."""
+    mod = kernels.load()
+    if mod is None or not getattr(mod, "has_batch_invariant", False):
+        pytest.skip("no AVX-512 BF16 kernels here")
+    q, kc, vc, meta = make_case(torch.bfloat16, num_kv_heads=2, group=group, head_dim=head_dim, seed=group)
+    args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim ** -0.5)
+    got = mod.paged_attention_varlen(q, kc, vc, *args).float()
+    ref = dense_reference(q.float(), kc.float(), vc.float(), meta, head_dim ** -0.5)
+    rounded = mod.paged_attention_varlen(q.float(), kc.float(), vc.float(), *args).bfloat16().float()
+    err, floor = (got - ref).abs(), (rounded - ref).abs()
+    assert err.max() <= 4 * floor.max() + 1e-3, (err.max(), floor.max())
+    assert err.mean() <= 2 * floor.mean(), (err.mean(), floor.mean())
+    # The last sequence's 100 tokens as one prompt chunk: each token's output is the bits
+    # its decode step gives.
+    n = int(meta.seq_lens[-1])
+    qp = torch.randn(n, q.shape[1], head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    table = meta.block_tables[-1:]
+    chunk = mod.paged_attention_varlen(qp, kc, vc, table, torch.tensor([0, n]), torch.tensor([n]), head_dim ** -0.5)
+    for i in (0, 15, 16, 57, n - 1):
+        one = mod.paged_attention_varlen(qp[i:i + 1], kc, vc, table, torch.tensor([0, 1]), torch.tensor([i + 1]),
+                                         head_dim ** -0.5)
+        assert torch.equal(one[0], chunk[i]), i

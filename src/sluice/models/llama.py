@@ -275,7 +275,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def _use_kernels(self, k, dtype: torch.dtype, deterministic: bool, max_positions: int, w8a8: bool) -> None:
-        use_kernels(self, k, deterministic, w8a8)
+        # w8a8 everywhere but the LM head and the first and last decoder layers, which keep
+        # bf16 activations: on SmolLM2 int8 activations in the head took the KL divergence
+        # from float32 from 0.006 to 0.009, and in the two end layers from 0.0054 to 0.0063
+        # (and flipped the answer to "What is the capital of France?"), for ~1% of the speed.
+        last = len(self.model.layers) - 1
+        use_kernels(self, k, deterministic,
+                    ("lm_head", "model.layers.0.", f"model.layers.{last}.") if w8a8 else None)
         if self.lm_head is None:  # tied head: its own packed copy of the embedding table
             self._kernel_head = kernel_weight(k, self.model.embed_tokens.weight, self._int8_head, deterministic)
         else:

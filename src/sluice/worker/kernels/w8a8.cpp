@@ -93,12 +93,28 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* sc
   });
 }
 
+// Prefetch of the next work unit's weight panel into L2, spread over the current unit's
+// passes (as batch_invariant.cpp's gemm does, for the same reason).
+constexpr int64_t kPrefetchMaxPasses = 8;
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t lines_per_step = 0;
+  inline void step() {
+    if (p < end) {
+      for (int64_t i = 0; i < lines_per_step; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+      p += 64 * lines_per_step;
+    }
+  }
+};
+
 // R rows x C groups of 16 columns. Per block: int32 sums of kBlock k, then one
 // float multiply-add by the row's block scale; at the end the offset term and the
 // column scales.
 template <int R, int C>
 void block(const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, const float* corr, int64_t Kp,
-           int64_t nb0, const float* wscale, const float* bias, int64_t N, bool out_f32, void* out, int64_t m0) {
+           int64_t nb0, const float* wscale, const float* bias, int64_t N, bool out_f32, void* out, int64_t m0,
+           Prefetch pf) {
   const int64_t nblk = Kp / kBlock;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -107,6 +123,7 @@ void block(const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, c
     __m512i isum[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+    pf.step();
     for (int s = 0; s < kStepsPerBlock; ++s) {
       const int64_t step = b * kStepsPerBlock + s;
       __m512i wv[C];
@@ -137,11 +154,11 @@ void block(const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, c
 template <int R>
 void block_cols(int C, const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, const float* corr,
                 int64_t Kp, int64_t nb0, const float* wscale, const float* bias, int64_t N, bool out_f32, void* out,
-                int64_t m0) {
+                int64_t m0, Prefetch pf) {
   switch (C) {
-    case 1: return block<R, 1>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0);
-    case 2: return block<R, 2>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0);
-    default: return block<R, kCols>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0);
+    case 1: return block<R, 1>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0, pf);
+    case 2: return block<R, 2>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0, pf);
+    default: return block<R, kCols>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0, pf);
   }
 }
 
@@ -201,11 +218,24 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     for (int64_t u = begin; u < end; ++u) {
       const int64_t nb0 = u * kCols;
       const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
-      for (const auto& [m0, r] : rows) {
+      const int64_t passes = static_cast<int64_t>(rows.size());
+      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses
+                             ? reinterpret_cast<const char*>(w + (nb0 + kCols) * KS * kLanes * 4) : nullptr;
+      const int64_t next_lines = next ? std::min<int64_t>(kCols, NB - nb0 - kCols) * KS * kLanes * 4 / 64 : 0;
+      const int64_t nblk = Kp / kBlock;
+      for (int64_t p = 0; p < passes; ++p) {
+        const auto [m0, r] = rows[p];
+        Prefetch pf;
+        if (next) {
+          const int64_t l0 = next_lines * p / passes, l1 = next_lines * (p + 1) / passes;
+          pf.p = next + 64 * l0;
+          pf.end = next + 64 * l1;
+          pf.lines_per_step = (l1 - l0 + nblk - 1) / nblk;
+        }
         switch (r) {
-          case 1: block_cols<1>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0); break;
-          case 2: block_cols<2>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0); break;
-          default: block_cols<kRows>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0); break;
+          case 1: block_cols<1>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0, pf); break;
+          case 2: block_cols<2>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0, pf); break;
+          default: block_cols<kRows>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0, pf); break;
         }
       }
     }
