@@ -6,6 +6,10 @@ wait for it to end, and send the next, until --requests are done. Open loop
 windows of real English text from a seeded generator; outputs have a fixed length
 (ignore_eos). Reports output tokens/s, TTFT, TPOT and end-to-end latency percentiles as
 JSON, and plots throughput and latency against concurrency.
+
+The client runs on aiohttp, whose HTTP parser is C: a load generator shares the machine
+with the server it measures, and on 2 cores httpx's pure-Python streaming took about half
+a core at 32 clients, throughput the server then lacked (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -17,7 +21,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
+
+
+TIMEOUT = aiohttp.ClientTimeout(total=600.0)
 
 
 @dataclass
@@ -62,7 +69,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
+async def one_request(client: aiohttp.ClientSession, url: str, model: str, prompt: str, output_len: int,
                       api_key: str | None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -70,15 +77,15 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     t0 = time.perf_counter()
     ttft, chunks, usage_tokens = None, 0, None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                return RequestResult(False, e2e=time.perf_counter() - t0, error=f"HTTP {resp.status_code}: {text[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+        async with client.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                return RequestResult(False, e2e=time.perf_counter() - t0, error=f"HTTP {resp.status}: {text[:200]}")
+            async for raw in resp.content:  # one server-sent-event line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 payload = json.loads(data)
                 if payload.get("usage"):
@@ -88,7 +95,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                         chunks += 1
                         if ttft is None:
                             ttft = time.perf_counter() - t0
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         return RequestResult(False, e2e=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
     return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, ttft, time.perf_counter() - t0)
 
@@ -115,8 +122,8 @@ async def closed_loop(url, model, prompts, output_len, concurrency, api_key) -> 
     for p in prompts:
         queue.put_nowait(p)
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as client:
         async def worker():
             while True:
                 try:
@@ -132,7 +139,7 @@ async def closed_loop(url, model, prompts, output_len, concurrency, api_key) -> 
 
 async def open_loop(url, model, prompts, output_len, rate, seed, api_key) -> RunSummary:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), timeout=TIMEOUT) as client:
         tasks = []
         t0 = time.perf_counter()
         for p in prompts:
