@@ -61,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["int8", "w8a8"])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="running requests at most, for (a) and (b)")
     ap.add_argument("--min-input", type=int, default=100)
@@ -75,8 +76,8 @@ def main() -> None:
 
     # Prefix caching off: every mode runs the same prompts, and later modes must not find
     # the earlier ones' prompts cached. This benchmark compares scheduling, not caching.
-    engine = LLMEngine.from_kwargs(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
-                                   enable_prefix_caching=False)
+    engine = LLMEngine.from_kwargs(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                   max_num_seqs=args.batch, enable_prefix_caching=False)
     prompts = make_prompts(engine.tokenizer, args.requests, args.min_input, args.max_input, args.seed)
     rng = random.Random(args.seed + 1)
     out_lens = [rng.randint(16, 512) if args.mixed_output else args.output_len for _ in prompts]
@@ -102,7 +103,8 @@ def main() -> None:
             print(f"repeat {rep} {mode:>15}: {tokens} tokens in {secs:.1f}s = {tokens / secs:.1f} tok/s", flush=True)
     med = {m: statistics.median(v) for m, v in results.items()}
     summary = {
-        "model": args.model, "dtype": str(engine.dtype), "requests": args.requests, "batch": b,
+        "model": args.model, "dtype": str(engine.dtype), "quantization": args.quantization,
+        "requests": args.requests, "batch": b,
         "input_len": [args.min_input, args.max_input],
         "output_len": "16..512" if args.mixed_output else args.output_len,
         "output_tok_per_s": med,

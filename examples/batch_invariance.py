@@ -56,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default=None, choices=[None, "int8"])
+    ap.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
     args = ap.parse_args()
     for deterministic in (False, True):
         engine = LLMEngine.from_kwargs(deterministic=deterministic, num_blocks=80, max_num_batched_tokens=64,

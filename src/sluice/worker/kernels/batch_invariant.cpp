@@ -141,23 +141,6 @@ struct Float32Weights {
   static __m512 fma(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
 };
 
-// Prefetch of the next work unit's weight panel, spread over the current unit's passes:
-// at 32 rows a panel is streamed from memory once and then reused from L2 by every row
-// block, and without this the first pass waits on memory while the others wait on nothing.
-// Beyond a few passes the panel's first load is a small share of the unit's time (at 256
-// rows the prefetch measured slower, 135 vs 126 ms for the 120 layers).
-constexpr int64_t kPrefetchMaxPasses = 8;
-struct Prefetch {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  int64_t lines_per_step = 0;
-  inline void step() {
-    if (p < end) {
-      for (int64_t i = 0; i < lines_per_step; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
-      p += 64 * lines_per_step;
-    }
-  }
-};
 
 // R rows x C groups of 16 columns; each lane's sum runs over K from 0 upward.
 template <int R, int C, typename W>

@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the CPU kernels: float32 lanes from float32 or bfloat16
-// memory, and a 16-lane exp.
+// memory, a 16-lane exp, and the weight-panel prefetch of the linear kernels.
 #pragma once
 
 #include <torch/extension.h>
@@ -46,6 +46,24 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// Prefetch of the next work unit's weight panel, spread over the current unit's passes:
+// at 32 rows a panel is streamed from memory once and then reused from L2 by every row
+// block, and without this the first pass waits on memory while the others wait on nothing.
+// Beyond a few passes the panel's first load is a small share of the unit's time (at 256
+// rows the prefetch measured slower, 135 vs 126 ms for the 120 layers).
+inline constexpr int64_t kPrefetchMaxPasses = 8;
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t lines_per_step = 0;
+  inline void step() {
+    if (p < end) {
+      for (int64_t i = 0; i < lines_per_step; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+      p += 64 * lines_per_step;
+    }
+  }
+};
 #endif
 
 }  // namespace sluice

@@ -24,16 +24,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+#include "simd.h"
 
 namespace sluice {
 namespace {
@@ -92,21 +90,6 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* sc
     }
   });
 }
-
-// Prefetch of the next work unit's weight panel into L2, spread over the current unit's
-// passes (as batch_invariant.cpp's gemm does, for the same reason).
-constexpr int64_t kPrefetchMaxPasses = 8;
-struct Prefetch {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  int64_t lines_per_step = 0;
-  inline void step() {
-    if (p < end) {
-      for (int64_t i = 0; i < lines_per_step; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
-      p += 64 * lines_per_step;
-    }
-  }
-};
 
 // R rows x C groups of 16 columns. Per block: int32 sums of kBlock k, then one
 // float multiply-add by the row's block scale; at the end the offset term and the
@@ -213,7 +196,9 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     rows.emplace_back(m0, r);
     m0 += r;
   }
-  // Threads split column units; each unit's weight panel is reused by every row block.
+  // Threads split column units; each unit's weight panel is reused by every row block,
+  // and its passes prefetch the thread's next panel (simd.h's Prefetch; 8 rows 5.9 -> 4.6
+  // ms and 32 rows 13.6 -> 11.5-13.6 ms for the 120 layers).
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t nb0 = u * kCols;
