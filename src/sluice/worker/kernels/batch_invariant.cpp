@@ -209,13 +209,7 @@ void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N,
       const char* next = u + 1 < end && passes <= kPrefetchMaxPasses ? w.panel(nb0 + kCols) : nullptr;
       const int64_t next_lines = next ? (w.panel_bytes(std::min<int64_t>(kCols, NB - nb0 - kCols)) + 63) / 64 : 0;
       for (int64_t p = 0; p < passes; ++p) {
-        Prefetch pf;
-        if (next) {
-          const int64_t l0 = next_lines * p / passes, l1 = next_lines * (p + 1) / passes;
-          pf.p = next + 64 * l0;
-          pf.end = next + 64 * l1;
-          pf.lines_per_step = (l1 - l0 + steps - 1) / steps;
-        }
+        const Prefetch pf = Prefetch::share(next, next_lines, p, passes, steps);
         const auto [m0, r] = rows[p];
         switch (r) {
           case 1: block_cols<1>(C, w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf); break;

@@ -63,6 +63,18 @@ struct Prefetch {
       p += 64 * lines_per_step;
     }
   }
+  // Pass `pass` of `passes` over a unit of `steps` K steps takes its 1/passes share of
+  // the next panel's `lines` cache lines (none when next is null).
+  static Prefetch share(const char* next, int64_t lines, int64_t pass, int64_t passes, int64_t steps) {
+    Prefetch pf;
+    if (next) {
+      const int64_t l0 = lines * pass / passes, l1 = lines * (pass + 1) / passes;
+      pf.p = next + 64 * l0;
+      pf.end = next + 64 * l1;
+      pf.lines_per_step = (l1 - l0 + steps - 1) / steps;
+    }
+    return pf;
+  }
 };
 #endif
 

@@ -210,13 +210,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       const int64_t nblk = Kp / kBlock;
       for (int64_t p = 0; p < passes; ++p) {
         const auto [m0, r] = rows[p];
-        Prefetch pf;
-        if (next) {
-          const int64_t l0 = next_lines * p / passes, l1 = next_lines * (p + 1) / passes;
-          pf.p = next + 64 * l0;
-          pf.end = next + 64 * l1;
-          pf.lines_per_step = (l1 - l0 + nblk - 1) / nblk;
-        }
+        const Prefetch pf = Prefetch::share(next, next_lines, p, passes, nblk);
         switch (r) {
           case 1: block_cols<1>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0, pf); break;
           case 2: block_cols<2>(C, w, KS, qp, sp, cp, Kp, nb0, ws, bp, N, out_float32, op, m0, pf); break;
