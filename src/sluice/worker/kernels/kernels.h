@@ -16,6 +16,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
                      bool out_float32);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
                           c10::optional<torch::Tensor> bias, bool out_float32);
+// A bias (or nothing) as contiguous float32, undefined when absent.
+torch::Tensor float_or_empty(const c10::optional<torch::Tensor>& t);
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
                           c10::optional<torch::Tensor> bias, bool out_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -173,8 +173,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == KS, "packed weight does not match [N, K]");
   auto scale_f = scale.to(torch::kFloat32).contiguous();
   TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) bias_f = bias->to(torch::kFloat32).contiguous();
+  const auto bias_f = float_or_empty(bias);
   auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return out;
   auto q = torch::empty({M, Kp}, x.options().dtype(torch::kInt8));
