@@ -77,6 +77,26 @@ inline __m512 reduce_add_16x16(const float (*v)[16]) {
   return _mm512_permutexvar_ps(idx, r);
 }
 
+// Prefetching for a decode's attention: the K rows of the work item the thread takes next
+// (none: k null), to prefetch while it finishes this one. Prompt tokens attend rows that
+// their chunk has just written, already in cache, and run without (prefetching measured
+// 15-25% slower there).
+struct Prefetching {
+  bool on = false;
+  const c10::BFloat16* k = nullptr;
+  const int64_t* blocks = nullptr;
+  int64_t len = 0;
+};
+
+// Prefetch one cached row of D values into L2 (T0, into L1, measured slower: the L1's
+// few miss buffers then hold the stream back).
+constexpr int64_t kAheadRows = 96;
+template <int64_t D, typename T>
+inline void prefetch_row(const T* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
 // Walks a block table one cached row at a time without a division per row.
 template <typename T>
 struct RowCursor {
@@ -154,7 +174,7 @@ void attend_fixed(const float* qf, const T* kh, const T* vh, const int64_t* bloc
 template <int G, int C2>
 void attend_bf16(const c10::BFloat16* qp, float scale, const c10::BFloat16* kh, const c10::BFloat16* vh,
                  const int64_t* blocks, int64_t len, int64_t block_size, float* scores, uint16_t* probs,
-                 c10::BFloat16* out) {
+                 c10::BFloat16* out, const Prefetching& pf) {
   constexpr int64_t D = C2 * 32;
   __m512bh q[G][C2];
   for (int g = 0; g < G; ++g)
@@ -162,9 +182,26 @@ void attend_bf16(const c10::BFloat16* qp, float scale, const c10::BFloat16* kh, 
   alignas(64) float part[G][16][16];
   const __m512 sv = _mm512_set1_ps(scale);
   RowCursor<c10::BFloat16> kc{kh, blocks, block_size, D};
+  // Decode reads a cache far larger than the CPU's caches, block by scattered block, and
+  // the hardware prefetcher does not follow a block table (measured: 10 GB/s of the ~27 a
+  // sequential read gets). So K is prefetched into L2 kAheadRows rows ahead, V's rows
+  // during the K pass (the V pass then finds them in L2), and the next work item's first
+  // K rows during the V pass, when memory would otherwise idle: ~20 GB/s.
+  RowCursor<c10::BFloat16> kp{kh, blocks, block_size, D}, vp{vh, blocks, block_size, D};
+  int64_t ahead = pf.on ? 0 : len;
+  for (; ahead < std::min(kAheadRows, len); ++ahead, kp.next()) prefetch_row<D>(kp.row());
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
     for (int j = 0; j < n; ++j, kc.next()) {
+      if (ahead < len) {
+        prefetch_row<D>(kp.row());
+        kp.next();
+        ++ahead;
+      }
+      if (pf.on) {
+        prefetch_row<D>(vp.row());
+        vp.next();
+      }
       const c10::BFloat16* k = kc.row();
       __m512bh kv[C2];
       for (int c = 0; c < C2; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
@@ -198,7 +235,11 @@ void attend_bf16(const c10::BFloat16* qp, float scale, const c10::BFloat16* kh, 
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C2; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
   RowCursor<c10::BFloat16> vc{vh, blocks, block_size, D};
+  RowCursor<c10::BFloat16> nc{pf.k, pf.blocks, block_size, D};
+  const int64_t nlen = pf.k ? std::min(pf.len, kAheadRows) : 0;
+  int64_t npos = 0;
   for (int64_t t = 0; t < len; t += 2) {
+    for (int r = 0; r < 2 && npos < nlen; ++r, ++npos, nc.next()) prefetch_row<D>(nc.row());
     const c10::BFloat16* x = vc.row();
     vc.next();
     const c10::BFloat16* y = t + 1 < len ? vc.row() : x;  // odd length: its probability is 0
@@ -230,7 +271,7 @@ void attend_bf16(const c10::BFloat16* qp, float scale, const c10::BFloat16* kh, 
 }
 
 using AttendBf16Fn = void (*)(const c10::BFloat16*, float, const c10::BFloat16*, const c10::BFloat16*,
-                              const int64_t*, int64_t, int64_t, float*, uint16_t*, c10::BFloat16*);
+                              const int64_t*, int64_t, int64_t, float*, uint16_t*, c10::BFloat16*, const Prefetching&);
 template <int C2>
 AttendBf16Fn attend_bf16_for_group(int64_t group) {
   switch (group) {
@@ -433,7 +474,16 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
         if constexpr (std::is_same_v<T_, c10::BFloat16>) {
           if (fast_bf16) {
             probs.resize(group * (len + 1));
-            fast_bf16(qp + row, fscale, kh, vh, blocks, len, block_size, scores.data(), probs.data(), op + row);
+            Prefetching pf;
+            pf.on = qsp[tok_req[t] + 1] - qsp[tok_req[t]] == 1;  // a decode
+            const int64_t nw = work + parts;
+            if (pf.on && nw < total && tok_req[nw / num_kv_heads] >= 0) {
+              const int64_t nt = nw / num_kv_heads;
+              pf.k = kp + (nw % num_kv_heads) * num_blocks * block_size * head_dim;
+              pf.blocks = btp + tok_req[nt] * max_blocks;
+              pf.len = tok_len[nt];
+            }
+            fast_bf16(qp + row, fscale, kh, vh, blocks, len, block_size, scores.data(), probs.data(), op + row, pf);
             continue;
           }
         }
