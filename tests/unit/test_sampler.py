@@ -1,6 +1,7 @@
 """The batched sampler against simple per-row reference computations."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sluice.sampling_params import SamplingParams
@@ -122,3 +123,29 @@ def test_logprobs_and_ranks():
     assert out.logprob_ids.tolist() == [[1, 1, 3]]
     torch.testing.assert_close(out.logprobs[0], lp[[1, 1, 3]])
     assert out.ranks.tolist() == [1]
+
+
+def test_kernel_argmax_matches_torch_argmax_ties_nan_and_inf_included():
+    from sluice.worker import kernels
+    k = kernels.load()
+    if k is None or not hasattr(k, "argmax_rows"):
+        pytest.skip("C++ kernels with AVX-512 unavailable")
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 49152), (33, 1000), (5, 17), (3, 3)]:
+        x = torch.randn(rows, vocab, generator=g)
+        assert torch.equal(k.argmax_rows(x), x.argmax(dim=-1))
+    x = torch.randn(5, 100, generator=g)
+    x[0, 40] = x[0, 7] = x[0, 99] = 50.0        # ties: the first index wins
+    x[1, 60] = x[1, 20] = float("nan")          # a NaN counts as the maximum
+    x[2] = float("-inf")                        # nothing finite
+    x[3, 98] = float("inf")
+    x[4, 99] = 1e9                               # in the scalar tail
+    assert k.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [7, 20, 0, 98, 99]
+    # The sampler uses it for greedy rows and the exponential race alike: the same draws.
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=2.0, top_p=0.3)]
+    logits = torch.randn(4, V, generator=g)
+    ours, theirs = Sampler(torch.Generator().manual_seed(1), k.argmax_rows), Sampler(torch.Generator().manual_seed(1))
+    for _ in range(20):
+        assert torch.equal(ours(logits.clone(), meta_for(params)).token_ids,
+                           theirs(logits.clone(), meta_for(params)).token_ids)

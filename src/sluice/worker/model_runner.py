@@ -81,7 +81,7 @@ class ModelRunner:
         self.decode_kernel = kernels.load() if device.type == "cpu" and use_kernels else None
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, getattr(self.decode_kernel, "argmax_rows", None))
         self.vocab_size = self.arch.vocab_size
         self.timings = RunnerTimings()
 

@@ -63,9 +63,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
     return token_ids[:, None], chosen, ranks
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, argmax=None):
+        """argmax: a [B, V] float32 -> [B] replacement for torch.argmax(dim=-1) with the
+        same answers (the C++ kernels' argmax_rows: torch's ran on one thread)."""
         self.generator = generator
+        self.argmax = argmax or _torch_argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Logprobs describe the model's own distribution, before any sampling transform:
@@ -76,7 +83,7 @@ class Sampler:
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self.argmax(logits)
         else:
             token_ids = self._sample(logits, meta)
         if meta.max_num_logprobs < 0:
@@ -86,7 +93,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy_rows = meta.temperature == 0
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self.argmax(logits)
         temp = torch.where(greedy_rows, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temp[:, None]
         if meta.top_k is not None or meta.top_p is not None:
@@ -104,7 +111,7 @@ class Sampler:
         for i, g in enumerate(meta.generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self.argmax(probs / noise)
         return torch.where(greedy_rows, greedy_ids, sampled)
 
 

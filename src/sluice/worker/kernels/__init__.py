@@ -28,7 +28,8 @@ def load():
         return load_extension(
             name="sluice_cpu_kernels",
             sources=[str(_DIR / name) for name in
-                     ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp")],
+                     ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp",
+                                  "argmax.cpp")],
             # No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],

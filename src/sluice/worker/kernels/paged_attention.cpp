@@ -527,6 +527,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void register_batch_invariant(pybind11::module& m);  // batch_invariant.cpp
 void register_decoder_stack(pybind11::module& m);    // decoder_stack.cpp
 void register_w8a8(pybind11::module& m);             // w8a8.cpp
+void register_argmax(pybind11::module& m);           // argmax.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
@@ -535,4 +536,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_batch_invariant(m);
   register_decoder_stack(m);
   register_w8a8(m);
+  register_argmax(m);
 }
