@@ -201,7 +201,7 @@ void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N,
     m0 += r;
   }
   const int64_t passes = static_cast<int64_t>(rows.size()), steps = std::max<int64_t>(1, W::steps(K));
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t nb0 = u * kCols;
       const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));

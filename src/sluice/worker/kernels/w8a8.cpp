@@ -198,7 +198,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   // Threads split column units; each unit's weight panel is reused by every row block,
   // and its passes prefetch the thread's next panel (simd.h's Prefetch; 8 rows 5.9 -> 4.6
   // ms and 32 rows 13.6 -> 11.5-13.6 ms for the 120 layers).
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t nb0 = u * kCols;
       const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
