@@ -306,3 +306,31 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source):
     assert model._kernel_head.w8a8 is None
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
+
+
+def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint):
+    """bf16 with our kernels: greedy steps without logprobs take the LM head's argmax from
+    int8 logits rescored exactly (models' greedy_tokens); the tokens are those of the full
+    head, and steps that need the logits themselves (logprobs, sampling) still get them."""
+    kmod = kernels.for_model(torch.device("cpu"), torch.bfloat16)
+    if kmod is None or not getattr(kmod, "has_w8a8", False):
+        pytest.skip("C++ kernels with AVX-512 VNNI unavailable")
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
+    model = llm.engine.runner.model
+    assert model._greedy_head is not None
+    calls = []
+    fast = model.greedy_tokens
+    model.greedy_tokens = lambda h: calls.append(h.shape[0]) or fast(h)
+    prompts = prompts_of_lengths(llm.tokenizer, [5, 17, 40, 63, 100, 9, 30, 12, 3, 50, 70], seed=4)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    with_fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls and max(calls) > 8  # batches past the int8 head's 8 rows took it too
+    calls.clear()
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, logprobs=2, **GREEDY))
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    assert not calls
+    model._greedy_head = None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_fast
+    assert_all_blocks_free(llm)
+    det = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=64, deterministic=True)
+    assert det.engine.runner.model._greedy_head is None

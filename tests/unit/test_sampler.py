@@ -149,3 +149,33 @@ def test_kernel_argmax_matches_torch_argmax_ties_nan_and_inf_included():
     for _ in range(20):
         assert torch.equal(ours(logits.clone(), meta_for(params)).token_ids,
                            theirs(logits.clone(), meta_for(params)).token_ids)
+
+
+def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax():
+    """The LM head's greedy fast path: int8 x int8 logits pick 16 candidates per row, which
+    are rescored with the bf16 head's own arithmetic; the answer is the bf16 head's argmax,
+    even where int8 rounding ranked a different token first."""
+    from sluice.models.linear import quantize_per_channel
+    from sluice.worker import kernels
+    k = kernels.load()
+    if k is None or not getattr(k, "has_w8a8", False):
+        pytest.skip("C++ kernels with AVX-512 VNNI unavailable")
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = 3000, 97  # odd K: the last pair is half padding
+    w = (torch.randn(vocab, hidden, generator=g) * 0.05).bfloat16()
+    x = torch.randn(40, hidden, generator=g).bfloat16()
+    # Near-ties: per row, a twin of the best column, a hair apart (below int8 resolution).
+    exact0 = k.bi_linear(x, k.bi_pack_weight(w), vocab, None, True)
+    for r in range(0, 40, 2):
+        best = int(exact0[r].argmax())
+        w[vocab - 1 - r] = w[best]
+        w[vocab - 1 - r, r % hidden] += 0.0005
+    packed = k.bi_pack_weight(w)
+    q, scale = quantize_per_channel(w)
+    approx = k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, vocab, None, True)
+    exact = k.bi_linear(x, packed, vocab, None, True)
+    assert not torch.equal(approx.argmax(-1), exact.argmax(-1))  # int8 alone gets some rows wrong
+    assert torch.equal(k.greedy_head(approx, x, packed, 16), exact.argmax(-1))
+    assert torch.equal(k.greedy_head(approx, x, packed, 1), approx.argmax(-1))
+    for rows in (1, 3, 17):  # rows are independent of their batch
+        assert torch.equal(k.greedy_head(approx[:rows], x[:rows], packed), exact[:rows].argmax(-1))

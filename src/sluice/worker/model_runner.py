@@ -13,7 +13,7 @@ from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.worker import kernels
 from sluice.worker.attention import AttentionMetadata, PrefillChunk, flat_attention_kernel
-from sluice.worker.sampler import Sampler, SamplingMetadata, seeded_generator, token_logprobs
+from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +221,17 @@ class ModelRunner:
         sampled: dict[str, SampledToken] = {}
         if entries:
             # logits_rows is padded to a bucket too; the extra rows repeat the first one.
-            logits = self.model.compute_logits(hidden.index_select(0, logits_rows))[:len(entries)]
-            out = self.sampler(logits, self._sampling_metadata(entries))
+            rows = hidden.index_select(0, logits_rows)
+            meta = self._sampling_metadata(entries)
+            greedy = None
+            if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
+                    and meta.repetition_penalty is None and hasattr(self.model, "greedy_tokens")):
+                # Only the argmax is wanted: the model's fast path for it, where it has one.
+                greedy = self.model.greedy_tokens(rows)
+            if greedy is not None:
+                out = SamplerOutput(greedy[:len(entries)], None, None, None)
+            else:
+                out = self.sampler(self.model.compute_logits(rows)[:len(entries)], meta)
             # The one host sync of the step.
             token_ids = out.token_ids.tolist()
             if out.logprobs is not None:

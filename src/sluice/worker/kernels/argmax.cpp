@@ -1,4 +1,4 @@
-// Greedy sampling's argmax over float32 logits, rows split over threads.
+// Greedy sampling: argmax over float32 logits, and the LM head's greedy fast path.
 //
 // torch.argmax over a [32, 49152] batch ran on one thread here (0.9 ms of a ~45 ms c32
 // step, the other core idle); this one vectorises each row and splits rows across
@@ -44,7 +44,110 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // all -inf: torch returns 0 as well
 }
 
+
+// The k largest of x[0..n) (k <= 16, n >= k): indices into idx, unordered. A running
+// threshold (the smallest kept) rejects almost every element with one compare.
+int top_k(const float* x, int64_t n, int k, int32_t* idx) {
+  float val[16];
+  for (int i = 0; i < k; ++i) {
+    idx[i] = i;
+    val[i] = std::isnan(x[i]) ? -std::numeric_limits<float>::infinity() : x[i];
+  }
+  auto min_slot = [&] {
+    int m = 0;
+    for (int i = 1; i < k; ++i)
+      if (val[i] < val[m]) m = i;
+    return m;
+  };
+  int slot = min_slot();
+  int64_t i = k;
+  for (; i < n && i % 16; ++i)
+    if (x[i] > val[slot]) { val[slot] = x[i]; idx[slot] = static_cast<int32_t>(i); slot = min_slot(); }
+  for (; i + 16 <= n; i += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(val[slot]), _CMP_GT_OQ);
+    while (m) {
+      const int j = __builtin_ctz(m);
+      m &= m - 1;
+      if (x[i + j] > val[slot]) { val[slot] = x[i + j]; idx[slot] = static_cast<int32_t>(i + j); slot = min_slot(); }
+    }
+  }
+  for (; i < n; ++i)
+    if (x[i] > val[slot]) { val[slot] = x[i]; idx[slot] = static_cast<int32_t>(i); slot = min_slot(); }
+  return k;
+}
+
 }  // namespace
+
+// The LM head's greedy fast path. `approx`: [M, V] logits from the int8 x int8 head
+// (w8a8_linear), cheap but off by the activations' rounding; `x`: the [M, K] bf16 hidden
+// rows; `packed`: the bf16 head as bi_pack_weight packs it. Per row: the k (<= 16) best
+// tokens by approx, each rescored exactly as bi_linear computes that logit (the same
+// vdpbf16ps chain over k pairs from 0 upward, so the same bits), and the best of those
+// (the lowest index on a tie, as torch.argmax). The answer is the full bf16 head's argmax
+// whenever that token is among the k, i.e. unless int8 rounding moved it below k others.
+torch::Tensor greedy_head(torch::Tensor approx, torch::Tensor x, torch::Tensor packed, int64_t k) {
+  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32, "approx logits must be [M, V] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.size(0) == approx.size(0),
+              "x must be [M, K] bfloat16, one row per logits row");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+              packed.size(3) == 2, "packed must come from bi_pack_weight (bf16)");
+  TORCH_CHECK(k >= 1 && k <= 16, "k must be 1..16");
+  approx = approx.contiguous();
+  x = x.contiguous();
+  const int64_t M = approx.size(0), V = approx.size(1), K = x.size(1), KP = packed.size(1);
+  TORCH_CHECK(packed.size(0) * 16 >= V && KP == (K + 1) / 2, "packed weight does not match [V, K]");
+  auto out = torch::empty({M}, approx.options().dtype(torch::kInt64));
+  const float* ap = approx.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int32_t* wp = reinterpret_cast<const int32_t*>(packed.data_ptr<at::BFloat16>());  // one pair per int32
+  int64_t* op = out.data_ptr<int64_t>();
+  const int kk = static_cast<int>(std::min<int64_t>(k, V));
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      alignas(64) int32_t idx[16] = {0};
+      top_k(ap + r * V, V, kk, idx);
+      const __mmask16 live = static_cast<__mmask16>((1u << kk) - 1);
+      // Lane c: candidate idx[c], whose pair s sits at int32 (group * KP + s) * 16 + lane.
+      __m512i lo_base, hi_base;  // 64-bit offsets of pair 0, candidates 0-7 and 8-15
+      {
+        alignas(64) int64_t b[16];
+        for (int c = 0; c < 16; ++c) b[c] = (static_cast<int64_t>(idx[c]) / 16 * KP) * 16 + idx[c] % 16;
+        lo_base = _mm512_load_si512(b);
+        hi_base = _mm512_load_si512(b + 8);
+      }
+      const uint16_t* xr = xp + r * K;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t s = 0; s < K / 2; ++s) {
+        const __m512i step = _mm512_set1_epi64(s * 16);
+        const __m256i lo = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live & 0xFF),
+                                                       _mm512_add_epi64(lo_base, step), wp, 4);
+        const __m256i hi = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live >> 8),
+                                                       _mm512_add_epi64(hi_base, step), wp, 4);
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        int32_t pair;
+        std::memcpy(&pair, xr + 2 * s, sizeof(pair));
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+      }
+      if (K % 2) {  // odd K: the last k, its partner zero, as bi_linear does
+        const __m512i step = _mm512_set1_epi64((K / 2) * 16);
+        const __m256i lo = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live & 0xFF),
+                                                       _mm512_add_epi64(lo_base, step), wp, 4);
+        const __m256i hi = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live >> 8),
+                                                       _mm512_add_epi64(hi_base, step), wp, 4);
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[K - 1])), (__m512bh)w);
+      }
+      alignas(64) float ex[16];
+      _mm512_store_ps(ex, acc);
+      int best = 0;
+      for (int c = 1; c < kk; ++c)
+        if (ex[c] > ex[best] || (ex[c] == ex[best] && idx[c] < idx[best]) || (std::isnan(ex[c]) && !std::isnan(ex[best])))
+          best = c;
+      op[r] = idx[best];
+    }
+  });
+  return out;
+}
 
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits must be [B, V] float32");
@@ -62,6 +165,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 void register_argmax(pybind11::module& m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for [B, V] float32, rows over threads");
+  m.def("greedy_head", &greedy_head, "argmax of the bf16 LM head from int8 logits: the top k rescored exactly",
+        pybind11::arg("approx"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("k") = 16);
 }
 #else
 void register_argmax(pybind11::module&) {}
