@@ -6,7 +6,8 @@
 Linear: the 120 linear layers of a forward pass with 30 distinct sets of weights (so that
 they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activations too), and the LM head, by rows.
 Attention: `paged_attention_varlen` per layer, decode (B sequences of L cached tokens)
-and one prompt of L tokens. Medians of repeated calls, in ms.
+and one prompt of L tokens; and a c32 decode step's 30 layers with the K/V streaming from
+memory. Medians of repeated calls, in ms.
 """
 from __future__ import annotations
 
@@ -92,6 +93,23 @@ def main() -> None:
         print(f"decode {b} x {ctx}: {attention([1] * b, [ctx] * b):.3f}", flush=True)
     for ctx in (210, 512, 2048):
         print(f"prompt of {ctx}: {attention([ctx], [ctx]):.3f}", flush=True)
+
+    # A decode step's attention as the model runs it: 30 layers, each with its own cache,
+    # the blocks of each sequence scattered, so K/V stream from memory (the per-layer
+    # figures above reuse one layer's cache, which stays in L3).
+    b, ctx = 32, 280
+    nb = (ctx + block - 1) // block
+    caches = torch.randn(30, 2, kv_heads, b * nb + 64, block, dim).to(torch.bfloat16)
+    table = torch.randperm(b * nb + 64)[:b * nb].view(b, nb)
+    qs, lens = torch.arange(b + 1), torch.full((b,), ctx)
+    q = torch.randn(b, heads, dim, dtype=torch.bfloat16)
+
+    def all_layers():
+        for layer in caches:
+            k.paged_attention_varlen(q, layer[0], layer[1], table, qs, lens, dim ** -0.5)
+    t = median_ms(all_layers, 15)
+    gb = 30 * b * ctx * kv_heads * dim * 2 * 2 / 1e9
+    print(f"decode {b} x {ctx}, 30 layers from memory: {t:.2f} ms ({gb / t * 1e3:.1f} GB/s of K/V)", flush=True)
 
 
 if __name__ == "__main__":
