@@ -47,7 +47,7 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 // The k largest of x[0..n) (k <= 16, n >= k): indices into idx, unordered. A running
 // threshold (the smallest kept) rejects almost every element with one compare.
-int top_k(const float* x, int64_t n, int k, int32_t* idx) {
+void top_k(const float* x, int64_t n, int k, int32_t* idx) {
   float val[16];
   for (int i = 0; i < k; ++i) {
     idx[i] = i;
@@ -73,7 +73,6 @@ int top_k(const float* x, int64_t n, int k, int32_t* idx) {
   }
   for (; i < n; ++i)
     if (x[i] > val[slot]) { val[slot] = x[i]; idx[slot] = static_cast<int32_t>(i); slot = min_slot(); }
-  return k;
 }
 
 }  // namespace
@@ -115,28 +114,25 @@ torch::Tensor greedy_head(torch::Tensor approx, torch::Tensor x, torch::Tensor p
         lo_base = _mm512_load_si512(b);
         hi_base = _mm512_load_si512(b + 8);
       }
-      const uint16_t* xr = xp + r * K;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t s = 0; s < K / 2; ++s) {
+      // Pair s of the 16 candidates' weights, one candidate per lane (dead lanes zero).
+      auto pair_of_candidates = [&](int64_t s) {
         const __m512i step = _mm512_set1_epi64(s * 16);
         const __m256i lo = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live & 0xFF),
                                                        _mm512_add_epi64(lo_base, step), wp, 4);
         const __m256i hi = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live >> 8),
                                                        _mm512_add_epi64(hi_base, step), wp, 4);
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      };
+      const uint16_t* xr = xp + r * K;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t s = 0; s < K / 2; ++s) {
         int32_t pair;
         std::memcpy(&pair, xr + 2 * s, sizeof(pair));
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)pair_of_candidates(s));
       }
-      if (K % 2) {  // odd K: the last k, its partner zero, as bi_linear does
-        const __m512i step = _mm512_set1_epi64((K / 2) * 16);
-        const __m256i lo = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live & 0xFF),
-                                                       _mm512_add_epi64(lo_base, step), wp, 4);
-        const __m256i hi = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(live >> 8),
-                                                       _mm512_add_epi64(hi_base, step), wp, 4);
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[K - 1])), (__m512bh)w);
-      }
+      if (K % 2)  // odd K: the last k, its partner zero, as bi_linear does
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[K - 1])),
+                               (__m512bh)pair_of_candidates(K / 2));
       alignas(64) float ex[16];
       _mm512_store_ps(ex, acc);
       int best = 0;
