@@ -35,6 +35,8 @@ def make_tiny_config(kind: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     if kind == "llama":
         return LlamaConfig(**TINY_COMMON, tie_word_embeddings=False)
+    if kind == "llama-4layers":  # with middle layers, which w8a8 quantizes (not the first or last)
+        return LlamaConfig(**{**TINY_COMMON, "num_hidden_layers": 4}, tie_word_embeddings=False)
     if kind == "llama3-rope":
         return LlamaConfig(**TINY_COMMON, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -306,27 +306,31 @@ inline __m512 round_to(__m512 v) {
 // With `residual`, x is first replaced by T(x + residual), written to `sum` (the residual
 // stream's next value): torch's `x + residual` then the norm, in one pass.
 template <typename T>
+inline void rms_norm_row(const T* xr, const T* residual, T* sum, const T* w, T* y, int64_t n, float eps) {
+  if (residual) {
+    for (int64_t j = 0; j < n; j += kLanes)
+      store_row(sum, j, n, _mm512_add_ps(load_row(xr, j, n), load_row(residual, j, n)));
+    xr = sum;
+  }
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __m512 v = load_row(xr, j, n);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __m512 normed = round_to<T>(_mm512_mul_ps(load_row(xr, j, n), iv));
+    store_row(y, j, n, _mm512_mul_ps(load_row(w, j, n), normed));
+  }
+}
+
+template <typename T>
 void rms_norm_impl(const T* x, const T* residual, T* sum, const T* w, T* y, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * n;
-      if (residual) {
-        for (int64_t j = 0; j < n; j += kLanes)
-          store_row(sum + r * n, j, n, _mm512_add_ps(load_row(xr, j, n), load_row(residual + r * n, j, n)));
-        xr = sum + r * n;
-      }
-      __m512 ss = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; j += kLanes) {
-        const __m512 v = load_row(xr, j, n);
-        ss = _mm512_fmadd_ps(v, v, ss);
-      }
-      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
-      const __m512 iv = _mm512_set1_ps(inv);
-      for (int64_t j = 0; j < n; j += kLanes) {
-        const __m512 normed = round_to<T>(_mm512_mul_ps(load_row(xr, j, n), iv));
-        store_row(y + r * n, j, n, _mm512_mul_ps(load_row(w, j, n), normed));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row<T>(x + r * n, residual ? residual + r * n : nullptr, sum ? sum + r * n : nullptr, w, y + r * n, n,
+                      eps);
   });
 }
 
@@ -368,18 +372,20 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 
 // SwiGLU's elementwise half: gate_up [rows, 2I] -> T(T(silu(gate)) * up) [rows, I].
 template <typename T>
+inline void silu_and_mul_row(const T* g, T* y, int64_t inter) {
+  const T* u = g + inter;
+  for (int64_t j = 0; j < inter; j += kLanes) {
+    const __m512 gv = load_row(g, j, inter);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 s = round_to<T>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    store_row(y, j, inter, _mm512_mul_ps(s, load_row(u, j, inter)));
+  }
+}
+
+template <typename T>
 void silu_and_mul_impl(const T* gu, T* y, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      for (int64_t j = 0; j < inter; j += kLanes) {
-        const __m512 gv = load_row(g, j, inter);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = round_to<T>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        store_row(y + r * inter, j, inter, _mm512_mul_ps(s, load_row(u, j, inter)));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_row<T>(gu + r * 2 * inter, y + r * inter, inter);
   });
 }
 
@@ -397,6 +403,50 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     silu_and_mul_impl<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, two_i / 2);
   }
   return y;
+}
+
+// The fused producers of w8a8 activations: each row is made in a small buffer and
+// quantized at once, instead of written out in bf16 and read back by linear_w8a8.
+std::tuple<W8A8Rows, torch::Tensor> add_rms_norm_w8a8(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps) {
+  using B = at::BFloat16;
+  x = x.contiguous();
+  residual = residual.contiguous();
+  weight = weight.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [rows, n] bfloat16");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), "weight does not match x");
+  auto sum = torch::empty_like(x);
+  W8A8Rows out = w8a8_rows(rows, n, x.options());
+  const B *xp = x.data_ptr<B>(), *rp = residual.data_ptr<B>(), *wp = weight.data_ptr<B>();
+  B* sp = sum.data_ptr<B>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<B> y(n);
+    for (int64_t r = begin; r < end; ++r) {
+      rms_norm_row<B>(xp + r * n, rp + r * n, sp + r * n, wp, y.data(), n, static_cast<float>(eps));
+      w8a8_quantize_row(reinterpret_cast<const uint16_t*>(y.data()), out, r);
+    }
+  });
+  return {out, sum};
+}
+
+W8A8Rows silu_and_mul_w8a8(torch::Tensor gate_up) {
+  using B = at::BFloat16;
+  gate_up = gate_up.contiguous();
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16, "gate_up must be [rows, 2I] bfloat16");
+  const int64_t rows = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
+  TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
+  W8A8Rows out = w8a8_rows(rows, inter, gate_up.options());
+  const B* gp = gate_up.data_ptr<B>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<B> y(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      silu_and_mul_row<B>(gp + r * two_i, y.data(), inter);
+      w8a8_quantize_row(reinterpret_cast<const uint16_t*>(y.data()), out, r);
+    }
+  });
+  return out;
 }
 
 // RoPE (rotate-half form) on q and k of a fused QKV row, K and V written into the paged

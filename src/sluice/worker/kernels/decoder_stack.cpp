@@ -5,9 +5,14 @@
 // same kernels as the Python forward, in the same order with the same arguments, so the
 // bits are the same; only the ~10 Python -> C++ crossings per layer (module calls,
 // argument conversion, result wrapping) are gone. At one row, where a step reads ~100 MB
-// of int8 weights in ~5 ms, those crossings cost ~1.5 ms. The GIL stays held: releasing
-// it let the HTTP thread compete with the OpenMP workers for the cores and cost
-// throughput at 32 clients (measured).
+// of int8 weights in ~5 ms, those crossings cost ~1.5 ms. One difference: with w8a8, a
+// norm or SwiGLU that feeds a w8a8 layer quantizes each row as it makes it
+// (add_rms_norm_w8a8, silu_and_mul_w8a8) instead of writing bf16 rows for the linear
+// layer to quantize, which gives the same bits with one pass and one parallel region
+// fewer (offline c32 decode steps 0.2-2.1 ms faster in six alternating pairs). The GIL
+// stays held: releasing it let the HTTP thread compete with the OpenMP workers for the
+// cores and cost throughput at 32 clients (measured again after the balanced linear
+// kernels: 548 vs 572 tok/s, medians of three alternating pairs of 256 requests).
 #include <torch/extension.h>
 
 #include <tuple>
@@ -33,6 +38,9 @@ struct StackLinear {
     if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
       return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
     return sluice::linear(x, packed, n, bias, false);
+  }
+  torch::Tensor operator()(const sluice::W8A8Rows& x) const {
+    return sluice::linear_w8a8_rows(x, w8a8, qscale, n, bias, false);
   }
 };
 
@@ -69,17 +77,33 @@ class DecoderStack {
     const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
     torch::Tensor residual = x;
     torch::Tensor h = sluice::rms_norm(x, layers_[0].input_norm, eps_);
+    // A norm or SwiGLU whose output feeds a w8a8 layer quantizes its rows as it makes
+    // them (the same bits as quantizing its bf16 output in the linear layer).
+    sluice::W8A8Rows hq;
+    bool quantized = false;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
-      torch::Tensor q = sluice::rope_write_kv(l.qkv(h), cos, sin, k_cache, v_cache, slot_mapping, num_heads_,
-                                              num_kv_heads_);
+      torch::Tensor q = sluice::rope_write_kv(quantized ? l.qkv(hq) : l.qkv(h), cos, sin, k_cache, v_cache,
+                                              slot_mapping, num_heads_, num_kv_heads_);
       torch::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
       attn = l.o(attn.reshape({T, q_size}));
-      std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
-      torch::Tensor mlp = l.down(sluice::silu_and_mul(l.gate_up(h)));
-      const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
+      torch::Tensor gate_up;
+      if (l.gate_up.w8a8.defined()) {
+        sluice::W8A8Rows a;
+        std::tie(a, residual) = sluice::add_rms_norm_w8a8(attn, residual, l.post_attention_norm, eps_);
+        gate_up = l.gate_up(a);
+      } else {
+        std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
+        gate_up = l.gate_up(h);
+      }
+      torch::Tensor mlp = l.down.w8a8.defined() ? l.down(sluice::silu_and_mul_w8a8(gate_up))
+                                                 : l.down(sluice::silu_and_mul(gate_up));
+      const bool last = i + 1 == layers_.size();
+      const torch::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
+      quantized = !last && layers_[i + 1].qkv.w8a8.defined();
+      if (quantized) std::tie(hq, residual) = sluice::add_rms_norm_w8a8(mlp, residual, next_norm, eps_);
+      else std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
     }
     return h;
   }

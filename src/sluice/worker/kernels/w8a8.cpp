@@ -54,42 +54,51 @@ inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4) {
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
-// x [M, K] bf16 -> q [M, Kp] int8, per-block scales [M, Kp / kBlock], and per row
-// corr = 128 * sum over blocks of scale * sum(q): what the +128 weight offset adds.
-void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* scales, float* corr) {
-  const int64_t Kp = padded_k(K), nblk = Kp / kBlock;
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* xr = x + r * K;
-      float c = 0.0f;
-      for (int64_t b = 0; b < nblk; ++b) {
-        __m512 v[kBlock / kLanes];
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < kBlock / kLanes; ++i) {
-          const int64_t k0 = b * kBlock + i * kLanes, left = K - k0;
-          const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                              : left > 0    ? static_cast<__mmask16>((1u << left) - 1)
-                                            : static_cast<__mmask16>(0);
-          const __m256i raw = _mm256_maskz_loadu_epi16(m, xr + k0);
-          v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-        }
-        const float mx = _mm512_reduce_max_ps(amax);
-        const float d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
-        __m512i sum = _mm512_setzero_si512();
-        for (int i = 0; i < kBlock / kLanes; ++i) {
-          // Round to nearest even (the default rounding mode); |x * id| <= 127 by construction.
-          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(id)));
-          sum = _mm512_add_epi32(sum, qi);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * Kp + b * kBlock + i * kLanes), _mm512_cvtsepi32_epi8(qi));
-        }
-        scales[r * nblk + b] = d;
-        c += d * static_cast<float>(_mm512_reduce_add_epi32(sum));
-      }
-      corr[r] = 128.0f * c;
+}  // namespace
+
+// One row of x (K bf16) -> its int8 values, per-block scales and offset correction, in
+// rows' row r: what the +128 weight offset adds is corr = 128 * sum over blocks of
+// scale * sum(q). Every row is quantized alone, so a row's values never depend on its batch.
+void w8a8_quantize_row(const uint16_t* xr, W8A8Rows& rows, int64_t r) {
+  const int64_t K = rows.K, Kp = padded_k(K), nblk = Kp / kBlock;
+  int8_t* q = rows.q.data_ptr<int8_t>() + r * Kp;
+  float* scales = rows.scales.data_ptr<float>() + r * nblk;
+  float c = 0.0f;
+  for (int64_t b = 0; b < nblk; ++b) {
+    __m512 v[kBlock / kLanes];
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < kBlock / kLanes; ++i) {
+      const int64_t k0 = b * kBlock + i * kLanes, left = K - k0;
+      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                          : left > 0    ? static_cast<__mmask16>((1u << left) - 1)
+                                        : static_cast<__mmask16>(0);
+      const __m256i raw = _mm256_maskz_loadu_epi16(m, xr + k0);
+      v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
     }
-  });
+    const float mx = _mm512_reduce_max_ps(amax);
+    const float d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < kBlock / kLanes; ++i) {
+      // Round to nearest even (the default rounding mode); |x * id| <= 127 by construction.
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(id)));
+      sum = _mm512_add_epi32(sum, qi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + i * kLanes), _mm512_cvtsepi32_epi8(qi));
+    }
+    scales[b] = d;
+    c += d * static_cast<float>(_mm512_reduce_add_epi32(sum));
+  }
+  rows.corr.data_ptr<float>()[r] = 128.0f * c;
 }
+
+W8A8Rows w8a8_rows(int64_t M, int64_t K, const torch::TensorOptions& options) {
+  const int64_t Kp = padded_k(K);
+  return {torch::empty({M, Kp}, options.dtype(torch::kInt8)),
+          torch::empty({M, Kp / kBlock}, options.dtype(torch::kFloat32)),
+          torch::empty({M}, options.dtype(torch::kFloat32)), K};
+}
+
+namespace {
 
 // R rows x C groups of 16 columns. Per block: int32 sums of kBlock k, then one
 // float multiply-add by the row's block scale; at the end the offset term and the
@@ -167,24 +176,32 @@ torch::Tensor w8a8_pack_weight(torch::Tensor q) {
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
                           c10::optional<torch::Tensor> bias, bool out_float32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "weights packed by w8a8_pack_weight expected");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k(K), KS = Kp / 4;
+  const int64_t M = x.size(0), K = x.size(1);
+  W8A8Rows rows = w8a8_rows(M, K, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) w8a8_quantize_row(xp + r * K, rows, r);
+  });
+  return linear_w8a8_rows(rows, packed, scale, N, bias, out_float32);
+}
+
+// The linear layer over activations already quantized (by linear_w8a8, or by a fused
+// norm or SwiGLU that quantizes each row as it makes it: one pass and one parallel
+// region fewer than producing bf16 rows and quantizing them here).
+torch::Tensor linear_w8a8_rows(const W8A8Rows& x, torch::Tensor packed, torch::Tensor scale, int64_t N,
+                               c10::optional<torch::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "weights packed by w8a8_pack_weight expected");
+  const int64_t M = x.q.size(0), K = x.K, Kp = padded_k(K), KS = Kp / 4;
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == KS, "packed weight does not match [N, K]");
   auto scale_f = scale.to(torch::kFloat32).contiguous();
   TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
   const auto bias_f = float_or_empty(bias);
-  auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
+  auto out = torch::empty({M, N}, x.q.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return out;
-  auto q = torch::empty({M, Kp}, x.options().dtype(torch::kInt8));
-  auto scales = torch::empty({M, Kp / kBlock}, x.options().dtype(torch::kFloat32));
-  auto corr = torch::empty({M}, x.options().dtype(torch::kFloat32));
-  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, q.data_ptr<int8_t>(),
-                scales.data_ptr<float>(), corr.data_ptr<float>());
-
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float *sp = scales.data_ptr<float>(), *cp = corr.data_ptr<float>(), *ws = scale_f.data_ptr<float>();
+  const int8_t* qp = x.q.data_ptr<int8_t>();
+  const float *sp = x.scales.data_ptr<float>(), *cp = x.corr.data_ptr<float>(), *ws = scale_f.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   void* op = out.data_ptr();
   const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kCols - 1) / kCols;
@@ -235,6 +252,16 @@ void register_w8a8(pybind11::module& m) {
 // kernels.h declares it for the decoder stack, which only calls it when has_w8a8 is true.
 torch::Tensor sluice::linear_w8a8(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
                                   bool) {
+  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
+}
+sluice::W8A8Rows sluice::w8a8_rows(int64_t, int64_t, const torch::TensorOptions&) {
+  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
+}
+void sluice::w8a8_quantize_row(const uint16_t*, W8A8Rows&, int64_t) {
+  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
+}
+torch::Tensor sluice::linear_w8a8_rows(const W8A8Rows&, torch::Tensor, torch::Tensor, int64_t,
+                                       c10::optional<torch::Tensor>, bool) {
   TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
 }
 #endif
