@@ -10,7 +10,10 @@ OUT=${OUT:-benchmarks/results/serve}
 PLOT=${PLOT:-docs/img/serve.png}
 CONC=${CONC:-1,8,32}
 REQS=${REQS:-16,64,64}
-.venv/bin/sluice serve --port "$PORT" "$@" > "$OUT.log" 2>&1 &
+# Appending (O_APPEND), so that the VmHWM line added at the end is not overwritten by
+# the server's own later log lines (it keeps writing while it shuts down).
+: > "$OUT.log"
+.venv/bin/sluice serve --port "$PORT" "$@" >> "$OUT.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 1; done
