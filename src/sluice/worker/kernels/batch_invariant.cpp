@@ -405,8 +405,22 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return y;
 }
 
-// The fused producers of w8a8 activations: each row is made in a small buffer and
-// quantized at once, instead of written out in bf16 and read back by linear_w8a8.
+// The fused producers of w8a8 activations: each row is made in a small buffer by
+// make(r, buffer) and quantized at once, instead of written out in bf16 and read back by
+// linear_w8a8.
+template <typename F>
+W8A8Rows quantize_as_made(int64_t rows, int64_t n, int64_t grain, const torch::TensorOptions& options, const F& make) {
+  W8A8Rows out = w8a8_rows(rows, n, options);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> y(n);
+    for (int64_t r = begin; r < end; ++r) {
+      make(r, y.data());
+      w8a8_quantize_row(reinterpret_cast<const uint16_t*>(y.data()), out, r);
+    }
+  });
+  return out;
+}
+
 std::tuple<W8A8Rows, torch::Tensor> add_rms_norm_w8a8(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                                                       double eps) {
   using B = at::BFloat16;
@@ -418,15 +432,10 @@ std::tuple<W8A8Rows, torch::Tensor> add_rms_norm_w8a8(torch::Tensor x, torch::Te
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), "weight does not match x");
   auto sum = torch::empty_like(x);
-  W8A8Rows out = w8a8_rows(rows, n, x.options());
   const B *xp = x.data_ptr<B>(), *rp = residual.data_ptr<B>(), *wp = weight.data_ptr<B>();
   B* sp = sum.data_ptr<B>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<B> y(n);
-    for (int64_t r = begin; r < end; ++r) {
-      rms_norm_row<B>(xp + r * n, rp + r * n, sp + r * n, wp, y.data(), n, static_cast<float>(eps));
-      w8a8_quantize_row(reinterpret_cast<const uint16_t*>(y.data()), out, r);
-    }
+  W8A8Rows out = quantize_as_made(rows, n, 16, x.options(), [&](int64_t r, B* y) {
+    rms_norm_row<B>(xp + r * n, rp + r * n, sp + r * n, wp, y, n, static_cast<float>(eps));
   });
   return {out, sum};
 }
@@ -437,16 +446,9 @@ W8A8Rows silu_and_mul_w8a8(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16, "gate_up must be [rows, 2I] bfloat16");
   const int64_t rows = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
   TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
-  W8A8Rows out = w8a8_rows(rows, inter, gate_up.options());
   const B* gp = gate_up.data_ptr<B>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<B> y(inter);
-    for (int64_t r = begin; r < end; ++r) {
-      silu_and_mul_row<B>(gp + r * two_i, y.data(), inter);
-      w8a8_quantize_row(reinterpret_cast<const uint16_t*>(y.data()), out, r);
-    }
-  });
-  return out;
+  return quantize_as_made(rows, inter, 8, gate_up.options(),
+                          [&](int64_t r, B* y) { silu_and_mul_row<B>(gp + r * two_i, y, inter); });
 }
 
 // RoPE (rotate-half form) on q and k of a fused QKV row, K and V written into the paged
