@@ -1,13 +1,13 @@
 """Timings of the C++ kernels alone, at the default model's shapes (SmolLM2-135M: hidden
 576, 9 heads / 3 kv heads of 64, MLP 1,536, vocabulary 49,152), on random weights.
 
-    python benchmarks/kernels.py
+    python benchmarks/kernels.py [--attention-only]
 
 Linear: the 120 linear layers of a forward pass with 30 distinct sets of weights (so that
 they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activations too), and the LM head, by rows.
 Attention: `paged_attention_varlen` per layer, decode (B sequences of L cached tokens)
 and one prompt of L tokens; and a c32 decode step's 30 layers with the K/V streaming from
-memory. Medians of repeated calls, in ms.
+memory; each with a bf16 cache and an int8 one (`--kv-cache-dtype int8`). Medians of repeated calls, in ms.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 import torch
 
 from sluice.worker import kernels
+from sluice.worker.attention import INT8_ROW_EXTRA, int8_cache_from_dense
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -32,6 +33,10 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--attention-only", action="store_true", help="skip the linear layers")
+    args = ap.parse_args()
     k = kernels.load()
     if k is None or not hasattr(k, "bi_linear"):
         raise SystemExit("the C++ kernels are not available on this machine")
@@ -46,8 +51,9 @@ def main() -> None:
     head = k.bi_pack_weight(torch.randn(49152, 576, dtype=torch.bfloat16) * 0.02)
     head8 = k.w8a8_pack_weight(torch.randint(-127, 128, (49152, 576), dtype=torch.int8)) if w8a8 else None
     hscale = torch.rand(49152) * 0.01
-    print("rows | 120 layers bf16 ms (GFLOP/s) | int8 ms | w8a8 ms (GOP/s) | LM head bf16 ms | w8a8 ms")
-    for m in (1, 8, 32, 64, 256):
+    for m in (() if args.attention_only else (1, 8, 32, 64, 256)):
+        if m == 1:
+            print("rows | 120 layers bf16 ms (GFLOP/s) | int8 ms | w8a8 ms (GOP/s) | LM head bf16 ms | w8a8 ms")
         xs = {name: torch.randn(m, kk, dtype=torch.bfloat16) for name, (n, kk) in SHAPES.items()}
         reps = 15 if m < 256 else 5
 
@@ -77,7 +83,9 @@ def main() -> None:
     kc = torch.randn(kv_heads, num_blocks, block, dim, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
 
-    def attention(q_lens: list[int], ctx: list[int]) -> float:
+    caches = {"bf16": (kc, vc), "int8": (int8_cache_from_dense(kc, True), int8_cache_from_dense(vc, False))}
+
+    def attention(q_lens: list[int], ctx: list[int], cache: str) -> float:
         nb = [(c + block - 1) // block for c in ctx]
         table = torch.zeros(len(ctx), max(nb), dtype=torch.long)
         start = 0
@@ -87,29 +95,37 @@ def main() -> None:
         qs = torch.tensor([0] + q_lens).cumsum(0)
         q = torch.randn(int(qs[-1]), heads, dim, dtype=torch.bfloat16)
         lens = torch.tensor(ctx)
-        return median_ms(lambda: k.paged_attention_varlen(q, kc, vc, table, qs, lens, dim ** -0.5), 20)
-    print("attention, ms per layer")
+        kcc, vcc = caches[cache]
+        return median_ms(lambda: k.paged_attention_varlen(q, kcc, vcc, table, qs, lens, dim ** -0.5), 20)
+    print("attention, ms per layer, bf16 cache / int8 cache")
     for b, ctx in ((1, 300), (32, 300), (32, 1000)):
-        print(f"decode {b} x {ctx}: {attention([1] * b, [ctx] * b):.3f}", flush=True)
+        print(f"decode {b} x {ctx}: {attention([1] * b, [ctx] * b, 'bf16'):.3f} / "
+              f"{attention([1] * b, [ctx] * b, 'int8'):.3f}", flush=True)
     for ctx in (210, 512, 2048):
-        print(f"prompt of {ctx}: {attention([ctx], [ctx]):.3f}", flush=True)
+        print(f"prompt of {ctx}: {attention([ctx], [ctx], 'bf16'):.3f} / {attention([ctx], [ctx], 'int8'):.3f}",
+              flush=True)
 
     # A decode step's attention as the model runs it: 30 layers, each with its own cache,
     # the blocks of each sequence scattered, so K/V stream from memory (the per-layer
     # figures above reuse one layer's cache, which stays in L3).
     b, ctx = 32, 280
     nb = (ctx + block - 1) // block
-    caches = torch.randn(30, 2, kv_heads, b * nb + 64, block, dim).to(torch.bfloat16)
+    layers = torch.randn(30, 2, kv_heads, b * nb + 64, block, dim).to(torch.bfloat16)
     table = torch.randperm(b * nb + 64)[:b * nb].view(b, nb)
     qs, lens = torch.arange(b + 1), torch.full((b,), ctx)
     q = torch.randn(b, heads, dim, dtype=torch.bfloat16)
-
-    def all_layers():
-        for layer in caches:
-            k.paged_attention_varlen(q, layer[0], layer[1], table, qs, lens, dim ** -0.5)
-    t = median_ms(all_layers, 15)
-    gb = 30 * b * ctx * kv_heads * dim * 2 * 2 / 1e9
-    print(f"decode {b} x {ctx}, 30 layers from memory: {t:.2f} ms ({gb / t * 1e3:.1f} GB/s of K/V)", flush=True)
+    for name, row_bytes, per_layer in (
+            ("bf16", dim * 2, [(layer[0], layer[1]) for layer in layers]),
+            ("int8", dim + INT8_ROW_EXTRA, [(int8_cache_from_dense(layer[0], True), int8_cache_from_dense(layer[1], False))
+                                            for layer in layers])):
+        def all_layers():
+            for kl, vl in per_layer:
+                k.paged_attention_varlen(q, kl, vl, table, qs, lens, dim ** -0.5)
+        t = median_ms(all_layers, 15)
+        gb = 30 * b * ctx * kv_heads * row_bytes * 2 / 1e9
+        print(f"decode {b} x {ctx}, 30 layers from memory, {name} cache: {t:.2f} ms "
+              f"({gb / t * 1e3:.1f} GB/s of K/V)", flush=True)
+        del per_layer
 
 
 if __name__ == "__main__":

@@ -77,6 +77,12 @@ class LLMEngine:
             model_kernels = kernels.for_model(self.device, self.dtype)
         if mc.quantization == "w8a8":
             kernels.require_w8a8(model_kernels)
+        if config.cache.kv_cache_dtype == "int8":
+            if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+                raise ValueError("kv_cache_dtype='int8' needs dtype bfloat16 on the CPU")
+            kernels.require_int8_kv(model_kernels)
+            if arch.head_dim % 4:
+                raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
         model.optimize_for(self.device, self.dtype, mc.quantization, model_kernels, mc.deterministic,
                            self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)

@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="auto: K and V in the model's dtype; int8: 8-bit K and V with a scale per token "
+                        "(~1.9x the tokens per GiB, faster decode attention; bfloat16 on an AVX-512 VNNI CPU; "
+                        "docs/benchmarks.md has its quality cost)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default 256 on a CPU, 2048 on a GPU)")
@@ -39,6 +43,7 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 quantization=args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
+                kv_cache_dtype=args.kv_cache_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic)
 

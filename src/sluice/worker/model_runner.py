@@ -12,15 +12,18 @@ from sluice.config import CacheConfig
 from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.worker import kernels
-from sluice.worker.attention import AttentionMetadata, PrefillChunk, flat_attention_kernel
+from sluice.worker.attention import INT8_ROW_EXTRA, AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    if kv_cache_dtype == "int8":  # int8 values and a float32 scale per token and kv head
+        row = arch.head_dim + INT8_ROW_EXTRA
+    else:
+        row = arch.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * row
 
 
 @dataclass
@@ -67,16 +70,20 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.block_size = cache.block_size
-        per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype, cache.kv_cache_dtype)
         self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
         # One extra block past the pool: padding rows of a bucketed batch write their K/V there.
         self.scratch_slot = self.num_blocks * cache.block_size
         shape = (self.arch.num_kv_heads, self.num_blocks + 1, cache.block_size, self.arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        cache_dtype = dtype
+        if cache.kv_cache_dtype == "int8":  # layout: worker/attention.py
+            shape, cache_dtype = shape[:3] + (self.arch.head_dim + INT8_ROW_EXTRA,), torch.uint8
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
+                           torch.zeros(shape, dtype=cache_dtype, device=device))
                           for _ in range(self.arch.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
-                    cache.block_size, self.num_blocks * per_block / 2**30)
+        logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", self.num_blocks, cache.block_size,
+                    "int8" if cache_dtype == torch.uint8 else str(dtype).removeprefix("torch."),
+                    self.num_blocks * per_block / 2**30)
         # Decode attention kernel: C++ on CPU where it builds, else the torch path.
         self.decode_kernel = kernels.load() if device.type == "cpu" and use_kernels else None
         generator = torch.Generator(device=device)

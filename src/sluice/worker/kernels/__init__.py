@@ -74,3 +74,11 @@ def require_w8a8(mod) -> None:
         raise ValueError("quantization='w8a8' needs the C++ kernels on a CPU with AVX-512 BF16 (see the log)")
     if not getattr(mod, "has_w8a8", False):
         raise ValueError("quantization='w8a8' needs a CPU with AVX-512 VNNI; this one lacks it")
+
+
+def require_int8_kv(mod) -> None:
+    """ValueError unless `mod` (the kernels that run the model, or None) can use an int8 KV cache."""
+    if mod is None:
+        raise ValueError("kv_cache_dtype='int8' needs the C++ kernels on a CPU with AVX-512 BF16 (see the log)")
+    if not getattr(mod, "has_w8a8", False):  # the same instructions: AVX-512 VNNI
+        raise ValueError("kv_cache_dtype='int8' needs a CPU with AVX-512 VNNI; this one lacks it")

@@ -486,23 +486,56 @@ void rope_write_kv_impl(const T* qkv, const T* cos, const T* sin, T* q_out, T* k
   });
 }
 
+// rope_write_kv_impl for an int8 cache: the rotated K row (rounded to bf16 as above) and the
+// V row each quantized into their block (simd.h's layout).
+void rope_write_kv_int8(const at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin,
+                        at::BFloat16* q_out, uint8_t* kc, uint8_t* vc, const int64_t* slots, int64_t tokens,
+                        int64_t hq, int64_t hkv, int64_t D, int64_t num_blocks, int64_t bs) {
+  const int64_t bb = int8_block_bytes(bs, D);
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> k(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* row = qkv + t * (hq + 2 * hkv) * D;
+      const at::BFloat16* c = cos + t * D;
+      const at::BFloat16* s = sin + t * D;
+      for (int64_t h = 0; h < hq; ++h) rotate_row(row + h * D, c, s, q_out + (t * hq + h) * D, D);
+      const int64_t block = slots[t] / bs, off = slots[t] % bs;
+      for (int64_t h = 0; h < hkv; ++h) {
+        rotate_row(row + (hq + h) * D, c, s, k.data(), D);
+        write_int8_k(k.data(), D, kc + (h * num_blocks + block) * bb, off, bs);
+        write_int8_v(row + (hq + hkv + h) * D, D, vc + (h * num_blocks + block) * bb, off, bs);
+      }
+    }
+  });
+}
+
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                             int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "qkv [T, (Hq + 2 Hkv) D], caches [Hkv, blocks, block, D] contiguous");
   qkv = qkv.contiguous();
-  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  const bool int8_cache = k_cache.scalar_type() == torch::kUInt8;
+  const int64_t T = qkv.size(0), D = k_cache.size(3) - (int8_cache ? kInt8RowExtra : 0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv width");
   TORCH_CHECK(k_cache.size(0) == num_kv_heads, "cache kv heads");
   cos = cos.reshape({T, D}).contiguous();
   sin = sin.reshape({T, D}).contiguous();
   auto slots = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(slots.numel() == T, "one slot per token");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(), "dtypes differ");
+  TORCH_CHECK(!int8_cache || (D <= 512 && D % 4 == 0 && k_cache.size(2) % 16 == 0),
+              "an int8 cache takes head_dim a multiple of 4 up to 512, blocks a multiple of 16 tokens");
+  TORCH_CHECK((int8_cache ? qkv.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kUInt8
+                          : qkv.scalar_type() == k_cache.scalar_type()) && cos.scalar_type() == qkv.scalar_type(),
+              "dtypes differ (an int8 cache takes bf16 activations)");
   const int64_t cache_rows = k_cache.size(1) * k_cache.size(2);
   auto q = torch::empty({T, num_heads, D}, qkv.options());
-  if (qkv.scalar_type() == torch::kFloat32) {
+  if (int8_cache) {
+    using B = at::BFloat16;
+    rope_write_kv_int8(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), q.data_ptr<B>(),
+                       k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), slots.data_ptr<int64_t>(), T,
+                       num_heads, num_kv_heads, D, k_cache.size(1), k_cache.size(2));
+  } else if (qkv.scalar_type() == torch::kFloat32) {
     rope_write_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
                               k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(), T,
                               num_heads, num_kv_heads, D, cache_rows);

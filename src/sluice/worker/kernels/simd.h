@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #if defined(__AVX512F__)
@@ -80,6 +81,72 @@ struct Prefetch {
   }
 };
 #endif
+
+// An int8 KV cache (--kv-cache-dtype int8): per kv head, each block of bs tokens (bs a
+// multiple of 16) is bs float32 scales (one per token, x ~ scale * value) and then bs x D
+// bytes, the same bytes in all as bs rows of D + kInt8RowExtra (D a multiple of 4). V's bytes are the signed
+// values, row by row. K's are value + 128 (the unsigned operand of vpdpbusd), laid out
+// as [bs / 16][D / 4][16 tokens][4 dims]: one 64-byte load is 4 dims of 16 tokens, and
+// vpdpbusd against 4 of q's dims broadcast puts 16 tokens' partial dot products in the
+// 16 lanes, with no sum across lanes to do.
+inline constexpr int64_t kInt8RowExtra = 4;
+inline int64_t int8_block_bytes(int64_t bs, int64_t D) { return bs * (D + kInt8RowExtra); }
+// Byte offsets within a block of token `off`: its scale, its V row, its K dim d.
+inline int64_t int8_scale_at(int64_t off) { return off * 4; }
+inline int64_t int8_v_at(int64_t off, int64_t bs, int64_t D) { return bs * 4 + off * D; }
+inline int64_t int8_k_at(int64_t off, int64_t d, int64_t bs, int64_t D) {
+  return bs * 4 + (off / 16) * 16 * D + (d / 4) * 64 + (off % 16) * 4 + d % 4;
+}
+
+// Symmetric int8 quantization of one row of n values, one scale per row: q = x * (127 /
+// absmax) rounded to nearest even, scale = absmax / 127 (0 for a row of zeros). The vector
+// and scalar paths give the same bits (the same float multiply, the same rounding), and so
+// does worker/attention.py's quantize_rows_int8. Returns the scale; *sum (if given) gets sum(q).
+template <typename T>
+inline float quantize_row_i8(const T* x, int64_t n, int8_t* q, int32_t* sum = nullptr) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + i)));
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t s = 0;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 iv = _mm512_set1_ps(inv);
+  __m512i acc = _mm512_setzero_si512();
+  for (; i + 16 <= n; i += 16) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), iv));  // MXCSR: nearest even
+    acc = _mm512_add_epi32(acc, r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(r));
+  }
+  s = _mm512_reduce_add_epi32(acc);
+#endif
+  for (; i < n; ++i) {
+    const int32_t r = static_cast<int32_t>(std::nearbyint(to_float(x[i]) * inv));
+    q[i] = static_cast<int8_t>(r);
+    s += r;
+  }
+  if (sum) *sum = s;
+  return amax / 127.f;
+}
+
+// Quantize x (one token's row of one kv head) into its place in an int8 cache block.
+template <typename T>
+inline void write_int8_k(const T* x, int64_t D, uint8_t* block, int64_t off, int64_t bs) {
+  int8_t q[512];
+  const float scale = quantize_row_i8(x, D, q);
+  for (int64_t d = 0; d < D; ++d) block[int8_k_at(off, d, bs, D)] = static_cast<uint8_t>(static_cast<uint8_t>(q[d]) ^ 0x80);
+  std::memcpy(block + int8_scale_at(off), &scale, sizeof(scale));
+}
+template <typename T>
+inline void write_int8_v(const T* x, int64_t D, uint8_t* block, int64_t off, int64_t bs) {
+  const float scale = quantize_row_i8(x, D, reinterpret_cast<int8_t*>(block + int8_v_at(off, bs, D)));
+  std::memcpy(block + int8_scale_at(off), &scale, sizeof(scale));
+}
 
 // Work units (a linear kernel's column panels) over the threads. With `balance`, each
 // thread first runs its own contiguous share of the first three quarters, where it can
