@@ -373,6 +373,25 @@ def test_int8_kv_cache_chunking_and_preemption_keep_the_tokens(tiny_checkpoint, 
         assert_all_blocks_free(llm)
 
 
+def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint):
+    """Deterministic mode over an int8 cache: a request's tokens and logprobs are bitwise
+    those of its solo run when it shares chunked steps with other requests."""
+    if not int8_kv_available():
+        pytest.skip("C++ kernels with AVX-512 VNNI unavailable")
+    path = str(tiny_checkpoint("llama"))
+    prompts = prompts_of_lengths(None, [37, 5, 17, 40, 63, 100, 9], seed=9)
+    params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
+
+    def sig(o):
+        return o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in s.items()) for s in o.outputs[0].logprobs]
+    solo = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=128, deterministic=True)
+    alone = sig(solo.generate(prompts[:1], params)[0])
+    crowd = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=128, deterministic=True,
+                max_num_batched_tokens=16)
+    assert sig(crowd.generate(prompts, params)[0]) == alone
+    assert_all_blocks_free(crowd)
+
+
 def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint):
     """bf16 with our kernels: greedy steps without logprobs take the LM head's argmax from
     int8 logits rescored exactly (models' greedy_tokens); the tokens are those of the full
