@@ -114,18 +114,19 @@ def main() -> None:
     table = torch.randperm(b * nb + 64)[:b * nb].view(b, nb)
     qs, lens = torch.arange(b + 1), torch.full((b,), ctx)
     q = torch.randn(b, heads, dim, dtype=torch.bfloat16)
-    for name, row_bytes, per_layer in (
-            ("bf16", dim * 2, [(layer[0], layer[1]) for layer in layers]),
-            ("int8", dim + INT8_ROW_EXTRA, [(int8_cache_from_dense(layer[0], True), int8_cache_from_dense(layer[1], False))
-                                            for layer in layers])):
-        def all_layers():
-            for kl, vl in per_layer:
-                k.paged_attention_varlen(q, kl, vl, table, qs, lens, dim ** -0.5)
-        t = median_ms(all_layers, 15)
+    variants = {"bf16": (dim * 2, [(layer[0], layer[1]) for layer in layers]),
+                "int8": (dim + INT8_ROW_EXTRA, [(int8_cache_from_dense(layer[0], True),
+                                                 int8_cache_from_dense(layer[1], False)) for layer in layers])}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(5):  # alternating, so that both see the same spells of this shared machine
+        for name, (_, per_layer) in variants.items():
+            times[name].append(median_ms(lambda: [k.paged_attention_varlen(q, kl, vl, table, qs, lens, dim ** -0.5)
+                                                  for kl, vl in per_layer], 5))
+    for name, (row_bytes, _) in variants.items():
+        t = statistics.median(times[name])
         gb = 30 * b * ctx * kv_heads * row_bytes * 2 / 1e9
-        print(f"decode {b} x {ctx}, 30 layers from memory, {name} cache: {t:.2f} ms "
-              f"({gb / t * 1e3:.1f} GB/s of K/V)", flush=True)
-        del per_layer
+        print(f"decode {b} x {ctx}, 30 layers from memory, {name} cache: {t:.2f} ms ({gb / t * 1e3:.1f} GB/s of K/V; "
+              f"median of 5 alternating rounds: {' / '.join(f'{x:.2f}' for x in times[name])})", flush=True)
 
 
 if __name__ == "__main__":
