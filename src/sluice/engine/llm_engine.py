@@ -59,6 +59,8 @@ class LLMEngine:
         mc = config.model
         self.device = torch.device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, mc.device)
+        if config.cache.kv_cache_dtype == "int8" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
+            raise ValueError("kv_cache_dtype='int8' needs dtype bfloat16 on the CPU")
         t0 = time.perf_counter()
         src = resolve_model(mc.model)
         hf_config = load_hf_config(src)
@@ -78,8 +80,6 @@ class LLMEngine:
         if mc.quantization == "w8a8":
             kernels.require_w8a8(model_kernels)
         if config.cache.kv_cache_dtype == "int8":
-            if self.dtype != torch.bfloat16 or self.device.type != "cpu":
-                raise ValueError("kv_cache_dtype='int8' needs dtype bfloat16 on the CPU")
             kernels.require_int8_kv(model_kernels)
             if arch.head_dim % 4:
                 raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")

@@ -51,6 +51,23 @@ inline void softmax16(float* s, int64_t n) {
 }
 
 constexpr int kMaxGroup = 8;    // query heads per kv head handled in registers
+
+// make(std::integral_constant<int, G>{}) for G = group, 1..kMaxGroup: the routine compiled
+// for that many query heads per kv head; null for other group sizes.
+template <typename Make>
+auto for_group(int64_t group, const Make& make) -> decltype(make(std::integral_constant<int, 1>{})) {
+  switch (group) {
+    case 1: return make(std::integral_constant<int, 1>{});
+    case 2: return make(std::integral_constant<int, 2>{});
+    case 3: return make(std::integral_constant<int, 3>{});
+    case 4: return make(std::integral_constant<int, 4>{});
+    case 5: return make(std::integral_constant<int, 5>{});
+    case 6: return make(std::integral_constant<int, 6>{});
+    case 7: return make(std::integral_constant<int, 7>{});
+    case 8: return make(std::integral_constant<int, 8>{});
+    default: return nullptr;
+  }
+}
 constexpr int kMaxChunks = 8;   // head_dim / 16
 
 // The sum of 16 lanes, for 16 vectors at once: out lane j = the sum of v[j]'s lanes, in
@@ -274,17 +291,7 @@ using AttendBf16Fn = void (*)(const c10::BFloat16*, float, const c10::BFloat16*,
                               const int64_t*, int64_t, int64_t, float*, uint16_t*, c10::BFloat16*, const Prefetching&);
 template <int C2>
 AttendBf16Fn attend_bf16_for_group(int64_t group) {
-  switch (group) {
-    case 1: return &attend_bf16<1, C2>;
-    case 2: return &attend_bf16<2, C2>;
-    case 3: return &attend_bf16<3, C2>;
-    case 4: return &attend_bf16<4, C2>;
-    case 5: return &attend_bf16<5, C2>;
-    case 6: return &attend_bf16<6, C2>;
-    case 7: return &attend_bf16<7, C2>;
-    case 8: return &attend_bf16<8, C2>;
-    default: return nullptr;
-  }
+  return for_group(group, [](auto g) -> AttendBf16Fn { return &attend_bf16<decltype(g)::value, C2>; });
 }
 // The bf16 routine for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
 AttendBf16Fn attend_bf16_for(int64_t group, int64_t head_dim) {
@@ -456,17 +463,7 @@ using AttendInt8Fn = void (*)(const int8_t*, const float*, const int32_t*, const
                               const Prefetching&);
 template <int C2>
 AttendInt8Fn attend_int8_for_group(int64_t group) {
-  switch (group) {
-    case 1: return &attend_int8<1, C2>;
-    case 2: return &attend_int8<2, C2>;
-    case 3: return &attend_int8<3, C2>;
-    case 4: return &attend_int8<4, C2>;
-    case 5: return &attend_int8<5, C2>;
-    case 6: return &attend_int8<6, C2>;
-    case 7: return &attend_int8<7, C2>;
-    case 8: return &attend_int8<8, C2>;
-    default: return nullptr;
-  }
+  return for_group(group, [](auto g) -> AttendInt8Fn { return &attend_int8<decltype(g)::value, C2>; });
 }
 // The int8-cache routine for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
 AttendInt8Fn attend_int8_for(int64_t group, int64_t head_dim) {
@@ -482,17 +479,7 @@ template <typename T>
 using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, float*, float*);
 template <typename T, int C>
 AttendFn<T> attend_fixed_for_group(int64_t group) {
-  switch (group) {
-    case 1: return &attend_fixed<1, C, T>;
-    case 2: return &attend_fixed<2, C, T>;
-    case 3: return &attend_fixed<3, C, T>;
-    case 4: return &attend_fixed<4, C, T>;
-    case 5: return &attend_fixed<5, C, T>;
-    case 6: return &attend_fixed<6, C, T>;
-    case 7: return &attend_fixed<7, C, T>;
-    case 8: return &attend_fixed<8, C, T>;
-    default: return nullptr;
-  }
+  return for_group(group, [](auto g) -> AttendFn<T> { return &attend_fixed<decltype(g)::value, C, T>; });
 }
 template <typename T>
 AttendFn<T> attend_fixed_for(int64_t group, int64_t head_dim) {
