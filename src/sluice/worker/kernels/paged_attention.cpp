@@ -52,19 +52,25 @@ inline void softmax16(float* s, int64_t n) {
 
 constexpr int kMaxGroup = 8;    // query heads per kv head handled in registers
 
-// make(std::integral_constant<int, G>{}) for G = group, 1..kMaxGroup: the routine compiled
-// for that many query heads per kv head; null for other group sizes.
+// make(G, D) with G = group (1..kMaxGroup) and D = head_dim (64 or 128) as
+// std::integral_constant: the routine compiled for that shape; null for other shapes.
 template <typename Make>
-auto for_group(int64_t group, const Make& make) -> decltype(make(std::integral_constant<int, 1>{})) {
+auto for_shape(int64_t group, int64_t head_dim, const Make& make)
+    -> decltype(make(std::integral_constant<int, 1>{}, std::integral_constant<int, 64>{})) {
+  auto with_d = [&](auto g) -> decltype(make(g, std::integral_constant<int, 64>{})) {
+    if (head_dim == 64) return make(g, std::integral_constant<int, 64>{});
+    if (head_dim == 128) return make(g, std::integral_constant<int, 128>{});
+    return nullptr;
+  };
   switch (group) {
-    case 1: return make(std::integral_constant<int, 1>{});
-    case 2: return make(std::integral_constant<int, 2>{});
-    case 3: return make(std::integral_constant<int, 3>{});
-    case 4: return make(std::integral_constant<int, 4>{});
-    case 5: return make(std::integral_constant<int, 5>{});
-    case 6: return make(std::integral_constant<int, 6>{});
-    case 7: return make(std::integral_constant<int, 7>{});
-    case 8: return make(std::integral_constant<int, 8>{});
+    case 1: return with_d(std::integral_constant<int, 1>{});
+    case 2: return with_d(std::integral_constant<int, 2>{});
+    case 3: return with_d(std::integral_constant<int, 3>{});
+    case 4: return with_d(std::integral_constant<int, 4>{});
+    case 5: return with_d(std::integral_constant<int, 5>{});
+    case 6: return with_d(std::integral_constant<int, 6>{});
+    case 7: return with_d(std::integral_constant<int, 7>{});
+    case 8: return with_d(std::integral_constant<int, 8>{});
     default: return nullptr;
   }
 }
@@ -289,15 +295,10 @@ void attend_bf16(const c10::BFloat16* qp, float scale, const c10::BFloat16* kh, 
 
 using AttendBf16Fn = void (*)(const c10::BFloat16*, float, const c10::BFloat16*, const c10::BFloat16*,
                               const int64_t*, int64_t, int64_t, float*, uint16_t*, c10::BFloat16*, const Prefetching&);
-template <int C2>
-AttendBf16Fn attend_bf16_for_group(int64_t group) {
-  return for_group(group, [](auto g) -> AttendBf16Fn { return &attend_bf16<decltype(g)::value, C2>; });
-}
 // The bf16 routine for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
 AttendBf16Fn attend_bf16_for(int64_t group, int64_t head_dim) {
-  if (head_dim == 64) return attend_bf16_for_group<2>(group);
-  if (head_dim == 128) return attend_bf16_for_group<4>(group);
-  return nullptr;
+  return for_shape(group, head_dim,
+                   [](auto g, auto d) -> AttendBf16Fn { return &attend_bf16<decltype(g)::value, decltype(d)::value / 32>; });
 }
 
 #if defined(__AVX512VNNI__)
@@ -461,15 +462,10 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
 using AttendInt8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint8_t*,
                               const int64_t*, int64_t, int64_t, float*, float*, int16_t*, c10::BFloat16*,
                               const Prefetching&);
-template <int C2>
-AttendInt8Fn attend_int8_for_group(int64_t group) {
-  return for_group(group, [](auto g) -> AttendInt8Fn { return &attend_int8<decltype(g)::value, C2>; });
-}
 // The int8-cache routine for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
 AttendInt8Fn attend_int8_for(int64_t group, int64_t head_dim) {
-  if (head_dim == 64) return attend_int8_for_group<2>(group);
-  if (head_dim == 128) return attend_int8_for_group<4>(group);
-  return nullptr;
+  return for_shape(group, head_dim,
+                   [](auto g, auto d) -> AttendInt8Fn { return &attend_int8<decltype(g)::value, decltype(d)::value / 32>; });
 }
 #endif
 #endif
@@ -477,17 +473,25 @@ AttendInt8Fn attend_int8_for(int64_t group, int64_t head_dim) {
 // The compiled attend_fixed for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
 template <typename T>
 using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, float*, float*);
-template <typename T, int C>
-AttendFn<T> attend_fixed_for_group(int64_t group) {
-  return for_group(group, [](auto g) -> AttendFn<T> { return &attend_fixed<decltype(g)::value, C, T>; });
-}
 template <typename T>
 AttendFn<T> attend_fixed_for(int64_t group, int64_t head_dim) {
-  if (head_dim == 64) return attend_fixed_for_group<T, 4>(group);
-  if (head_dim == 128) return attend_fixed_for_group<T, 8>(group);
-  return nullptr;
+  return for_shape(group, head_dim,
+                   [](auto g, auto d) -> AttendFn<T> { return &attend_fixed<decltype(g)::value, decltype(d)::value / 16, T>; });
 }
 #endif
+
+// In-place softmax of n floats, in plain C++ (the paths without AVX-512's softmax16).
+inline void softmax_scalar(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
 
 template <typename T>
 void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks, int64_t len,
@@ -528,18 +532,7 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
     for (int64_t g = 0; g < group; ++g) softmax16(scores + g * len, len);
   } else
 #endif
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax_scalar(scores + g * len, len);
   // Weighted sum of V.
   if (fast) {
 #if defined(__AVX512F__)
@@ -590,18 +583,7 @@ void attend_one_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr
       scores[g * len + t] = static_cast<float>(dot - qcorr[g]) * ks * qscale[g];
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax_scalar(scores + g * len, len);
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const uint8_t* blk = vh + blocks[t / bs] * bb;
@@ -614,6 +596,24 @@ void attend_one_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr
       for (int64_t i = 0; i < D; ++i) acc[g * D + i] += p * v[i];
     }
   }
+}
+
+// body(work, t, h) for every (token t, kv head h) pair, work = t * num_kv_heads + h, whose
+// token belongs to a request, over `parts` threads. Thread p of P takes every P-th pair,
+// not a contiguous range: the tokens of a prompt chunk attend ever longer contexts, and
+// contiguous halves of a chunk would leave one thread a quarter of its work and the other
+// three quarters. make_body() runs once per thread and gives it its scratch buffers.
+template <typename MakeBody>
+void for_each_work(int64_t total, int64_t parts, int64_t num_kv_heads, const std::vector<int64_t>& tok_req,
+                   const MakeBody& make_body) {
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    auto body = make_body();
+    for (int64_t part = part_begin; part < part_end; ++part)
+      for (int64_t work = part; work < total; work += parts) {
+        const int64_t t = work / num_kv_heads, h = work % num_kv_heads;
+        if (tok_req[t] >= 0) body(work, t, h);
+      }
+  });
 }
 
 }  // namespace
@@ -661,7 +661,7 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = bt.size(1);
   const float fscale = static_cast<float>(scale);
-  const int64_t parts_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T * num_kv_heads));
+  const int64_t total = T * num_kv_heads, parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
   if (int8_cache) {
     // As run() below, on an int8 cache: each query head's row quantized as the cache's rows are.
     using B = c10::BFloat16;
@@ -674,16 +674,11 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     const AttendInt8Fn fast = attend_int8_for(group, head_dim);
 #endif
-    const int64_t total = T * num_kv_heads, parts = parts_;
-    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-      std::vector<int8_t> qi(group * head_dim);
-      std::vector<float> qscale(group), acc(group * head_dim), scores, vscales;
-      std::vector<int32_t> qcorr(group);
-      std::vector<int16_t> probs;
-      for (int64_t part = part_begin; part < part_end; ++part)
-      for (int64_t work = part; work < total; work += parts) {
-        const int64_t t = work / num_kv_heads, h = work % num_kv_heads;
-        if (tok_req[t] < 0) continue;
+    for_each_work(total, parts, num_kv_heads, tok_req, [&] {
+      return [&, qi = std::vector<int8_t>(group * head_dim), qscale = std::vector<float>(group),
+              acc = std::vector<float>(group * head_dim), scores = std::vector<float>(),
+              vscales = std::vector<float>(), qcorr = std::vector<int32_t>(group),
+              probs = std::vector<int16_t>()](int64_t work, int64_t t, int64_t h) mutable {
         const int64_t len = tok_len[t];
         scores.resize(group * len);
         const uint8_t* kh = kp + h * head_elems;
@@ -710,13 +705,13 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
           }
           fast(qi.data(), qscale.data(), qcorr.data(), kh, vh, blocks, len, block_size, scores.data(),
                vscales.data(), probs.data(), op + row, pf);
-          continue;
+          return;
         }
 #endif
         attend_one_int8(qi.data(), qscale.data(), qcorr.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(),
                         acc.data());
         for (int64_t i = 0; i < group * head_dim; ++i) op[row + i] = static_cast<B>(acc[i]);
-      }
+      };
     });
     return out;
   }
@@ -733,17 +728,10 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
 #else
     const void* fast_bf16 = nullptr;
 #endif
-    // Thread p of P takes every P-th (token, kv head), not a contiguous range: the tokens
-    // of a prompt chunk attend ever longer contexts, and contiguous halves of a chunk
-    // would leave one thread a quarter of its work and the other three quarters.
-    const int64_t total = T * num_kv_heads, parts = parts_;
-    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-      std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-      std::vector<uint16_t> probs;
-      for (int64_t part = part_begin; part < part_end; ++part)
-      for (int64_t work = part; work < total; work += parts) {
-        const int64_t t = work / num_kv_heads, h = work % num_kv_heads;
-        if (tok_req[t] < 0) continue;
+    for_each_work(total, parts, num_kv_heads, tok_req, [&] {
+      return [&, qf = std::vector<float>(group * head_dim), acc = std::vector<float>(group * head_dim),
+              scores = std::vector<float>(), probs = std::vector<uint16_t>()](int64_t work, int64_t t,
+                                                                               int64_t h) mutable {
         const int64_t len = tok_len[t];
         scores.resize(group * len);
         const T_* kh = kp + h * num_blocks * block_size * head_dim;
@@ -764,7 +752,7 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
               pf.len = tok_len[nt];
             }
             fast_bf16(qp + row, fscale, kh, vh, blocks, len, block_size, scores.data(), probs.data(), op + row, pf);
-            continue;
+            return;
           }
         }
 #endif
@@ -782,7 +770,7 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
           T_* dst = op + (t * num_heads + h * group + g) * head_dim;
           for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T_>(acc[g * head_dim + i]);
         }
-      }
+      };
     });
   };
   if (q.scalar_type() == torch::kFloat32) {
