@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Served c32 runs of two versions of sluice, alternating (ABBA): a git revision (checked
+# out in a temporary worktree, its kernels built in their own extensions folder) and the
+# working tree. Each run starts its own server, drives it with `sluice bench serve` (64
+# requests, ~210-token prompts, 128 output tokens) and stops it.
+#   BASE=93da0d7 PAIRS=6 OUT=benchmarks/results/asm_session9 bash benchmarks/serve_ab.sh \
+#       --quantization w8a8 --kv-cache-dtype int8
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BASE=${BASE:?set BASE to a git revision}
+PAIRS=${PAIRS:-4}
+OUT=${OUT:-benchmarks/results/serve_ab}
+PORT=${PORT:-8151}
+mkdir -p "$OUT"
+WT=$(mktemp -d)
+git worktree add -f --detach "$WT" "$BASE" > /dev/null
+trap 'git worktree remove --force "$WT"' EXIT
+
+run() {  # NAME, then env assignments for the server
+  local name=$1; shift
+  env "$@" HF_HUB_OFFLINE=1 .venv/bin/python -c \
+      "import sys; from sluice.entrypoints.cli import main; sys.exit(main(sys.argv[1:]))" \
+      serve --port "$PORT" "${FLAGS[@]}" > "$OUT/$name.log" 2>&1 &
+  local server=$!
+  until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 1; done
+  .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
+      --input-len 210 --output-len 128 --json "$OUT/$name.json" > /dev/null
+  kill -TERM "$server"; wait "$server" || true
+  .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
+print(sys.argv[2], f\"{r['output_tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s\")" "$OUT/$name.json" "$name"
+}
+
+FLAGS=("$@")
+base() { run "base_$1" PYTHONPATH="$WT/src" TORCH_EXTENSIONS_DIR="$WT/.extensions"; }
+tree() { run "tree_$1"; }
+for i in $(seq 1 "$PAIRS"); do
+  if [ $((i % 2)) -eq 1 ]; then base "$i"; tree "$i"; else tree "$i"; base "$i"; fi
+done
