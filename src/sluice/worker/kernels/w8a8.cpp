@@ -194,32 +194,32 @@ void block(const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, c
            Prefetch pf) {
   const int64_t nblk = Kp / kBlock;
   __m512 acc[R][C];
-  if constexpr (R == 4 && C == 3) {
+  if (R == 4 && C == 3 && nblk > 0) {  // (K > 0: the asm loop runs at least once)
     alignas(64) float sums[R * C * kLanes];
     block_4x3_asm(sums, w + nb0 * KS * kLanes * 4, KS * kLanes * 4, q + m0 * Kp, Kp, scales + m0 * nblk, nblk, nblk,
                   pf);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_load_ps(sums + (r * C + c) * kLanes);
   } else {
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nblk; ++b) {
-    __m512i isum[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
-    pf.step();
-    for (int s = 0; s < kStepsPerBlock; ++s) {
-      const int64_t step = b * kStepsPerBlock + s;
-      __m512i wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; ++b) {
+      __m512i isum[R][C];
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) dpbusd(isum[r][c], wv[c], q + (m0 + r) * Kp + step * 4);
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+      pf.step();
+      for (int s = 0; s < kStepsPerBlock; ++s) {
+        const int64_t step = b * kStepsPerBlock + s;
+        __m512i wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) dpbusd(isum[r][c], wv[c], q + (m0 + r) * Kp + step * 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(scales[(m0 + r) * nblk + b]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), d, acc[r][c]);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(scales[(m0 + r) * nblk + b]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), d, acc[r][c]);
-    }
-  }
   }
   const size_t esz = out_f32 ? 4 : 2;
   for (int r = 0; r < R; ++r) {
