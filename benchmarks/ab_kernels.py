@@ -22,12 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.utils.cpp_extension import load as load_extension
-
 from sluice import LLMEngine, SamplingParams
 from sluice.bench.workload import make_prompts
+from sluice.worker import kernels
 
-SOURCES = ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp", "argmax.cpp")
 KERNEL_DIR = "src/sluice/worker/kernels"
 
 
@@ -44,9 +42,7 @@ def build_at(revision: str):
         blob = subprocess.run(["git", "show", f"{sha}:{KERNEL_DIR}/{name}"], capture_output=True, check=True,
                               cwd=root).stdout
         (src / name).write_bytes(blob)
-    return load_extension(name=f"sluice_cpu_kernels_{sha}", sources=[str(src / n) for n in SOURCES],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                          extra_ldflags=["-fopenmp"], verbose=False), sha
+    return kernels.build(f"sluice_cpu_kernels_{sha}", src), sha
 
 
 def main() -> None:

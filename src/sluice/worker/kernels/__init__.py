@@ -16,25 +16,32 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=None)
-def load():
+SOURCES = ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp", "argmax.cpp")
+
+
+def build(name: str, source_dir: Path):
+    """Compile (or load the cached build of) the kernel sources in `source_dir` as module
+    `name`. Raises what the build raises."""
     # torch runs `ninja` from PATH; the pip-installed one sits beside the interpreter,
     # which is not on PATH when the venv is used without being activated.
     bindir = os.path.dirname(sys.executable)
     if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils.cpp_extension import load as load_extension
+    return load_extension(
+        name=name,
+        sources=[str(source_dir / source) for source in SOURCES],
+        # No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def load():
     try:
-        from torch.utils.cpp_extension import load as load_extension
-        return load_extension(
-            name="sluice_cpu_kernels",
-            sources=[str(_DIR / name) for name in
-                     ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp",
-                                  "argmax.cpp")],
-            # No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return build("sluice_cpu_kernels", _DIR)
     except Exception as e:  # no compiler, no ninja, unsupported platform
         logger.warning("C++ kernels unavailable (%s); using the torch fallback", e)
         return None
