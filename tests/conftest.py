@@ -13,6 +13,46 @@ from sluice.models.loader import resolve_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# What a test may need from this machine, checked in one place: mark it
+# `@pytest.mark.requires("avx512_vnni")` and it skips, saying why, where that is missing.
+# (`make test-avx2` runs the suite as on an AVX2-only CPU: see backends/platform.py.)
+FEATURES = {
+    "kernels": "our C++ kernels",
+    "avx512f": "our AVX-512 kernels (argmax, the vector attention paths)",
+    "avx512_bf16": "our AVX-512 BF16 kernels (bf16 linear layers, deterministic mode)",
+    "avx512_vnni": "our AVX-512 VNNI kernels (w8a8, the int8 KV cache, the greedy LM head)",
+}
+
+
+def missing_feature(feature: str) -> str | None:
+    """Why `feature` is unavailable here, or None when it is available."""
+    from sluice.backends.platform import cpu
+    from sluice.worker import kernels
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r} in a requires marker; known: {', '.join(FEATURES)}")
+    info = cpu()
+    if feature != "kernels" and feature not in info.flags:
+        return f"needs {FEATURES[feature]}: {info.describe()} lacks {feature}"
+    mod = kernels.load()
+    if mod is None:
+        return f"needs {FEATURES[feature]}, but the C++ kernels did not build here (see the log)"
+    built = {"kernels": True, "avx512f": True, "avx512_bf16": getattr(mod, "has_batch_invariant", False),
+             "avx512_vnni": getattr(mod, "has_w8a8", False)}
+    return None if built[feature] else f"needs {FEATURES[feature]}, which this kernel build lacks"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(*features): skip unless this machine has them "
+                                       f"({', '.join(FEATURES)}); the reason says what is missing")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in item.iter_markers("requires"):
+            reasons = [r for r in map(missing_feature, mark.args) if r]
+            if reasons:
+                item.add_marker(pytest.mark.skip(reason="; ".join(reasons)))
+
 
 @pytest.fixture(scope="session")
 def smollm2_source():

@@ -12,14 +12,6 @@ import torch
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     """'auto' picks bfloat16 where the hardware computes it natively, else float32."""
     if isinstance(dtype, torch.dtype):
@@ -32,7 +24,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if dtype == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
-        return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+        from sluice.backends.platform import cpu
+        return torch.bfloat16 if cpu().avx512_bf16 else torch.float32
     if dtype not in names:
         raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     return names[dtype]
@@ -139,3 +132,15 @@ class EngineConfig:
                              f"kernels have no other build yet); got device={m.device!r}, dtype={m.dtype!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
+        # Modes that only run in bfloat16 on the CPU, and modes this CPU cannot run: refused
+        # here, before any kernel is built or weight loaded.
+        dtype = resolve_dtype(m.dtype, m.device)
+        on_cpu_bf16 = m.device.startswith("cpu") and dtype == torch.bfloat16
+        if m.quantization is not None and not on_cpu_bf16:
+            raise ValueError(f"quantization={m.quantization!r} needs dtype bfloat16 on the CPU; got "
+                             f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}")
+        if c.kv_cache_dtype == "int8" and not on_cpu_bf16:
+            raise ValueError(f"kv_cache_dtype='int8' needs dtype bfloat16 on the CPU; got "
+                             f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}")
+        from sluice.backends.platform import check_modes
+        check_modes(m.device, m.quantization, c.kv_cache_dtype, m.deterministic)

@@ -3,13 +3,10 @@ over the same kernels, and runs on the steps it is meant for."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sluice import LLM, SamplingParams
-from sluice.worker.kernels import for_model
 
-pytestmark = pytest.mark.skipif(for_model(torch.device("cpu"), torch.bfloat16) is None,
-                                reason="needs the C++ kernels (AVX-512 BF16)")
+pytestmark = pytest.mark.requires("avx512_bf16")
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
            "def fibonacci(n):"]

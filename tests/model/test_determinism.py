@@ -117,6 +117,7 @@ def det_solo(det_engine):
     return solo_signatures(det_engine)
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_probes_bitwise_equal_to_solo_in_random_crowds(det_engine, det_solo):
     preempted_before = det_engine.scheduler.num_preemptions
     runs, differ, cached = crowd_mismatches(det_engine, det_solo, trials=20, seed=0)
@@ -140,6 +141,7 @@ def test_default_mode_is_not_batch_invariant_report(record_property):
     assert runs > 0
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_same_bits_in_another_process(det_engine, det_solo):
     code = textwrap.dedent(f"""
         import json
@@ -170,6 +172,7 @@ def test_deterministic_mode_rejects_what_it_cannot_do():
         LLMEngine.from_kwargs(deterministic=True, device="cuda")
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_rescoring_a_generation_gives_bitwise_its_logprobs(det_engine):
     """What an RL loop needs: the logprobs reported while sampling a sequence equal, bit
     for bit, those of scoring it afterwards as a prompt (prefill rows, not decode rows,

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.worker import kernels
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -56,6 +55,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, reference):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.requires("kernels")
 def test_prompt_chunks_through_the_flat_kernel_give_the_same_tokens(tiny_checkpoint, reference):
     """With flat_prefill (bf16 with our kernels; switched on here in float32, whose tokens
     the reference fixes) prompt chunks join the one flat attention call of their step
@@ -64,8 +64,6 @@ def test_prompt_chunks_through_the_flat_kernel_give_the_same_tokens(tiny_checkpo
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=256,
               max_num_batched_tokens=16)
     runner = llm.engine.runner
-    if runner.decode_kernel is None:
-        pytest.skip("the C++ attention kernel did not build")
     assert not runner.flat_prefill  # float32 keeps SDPA
     runner.flat_prefill = True
     seen = {"flat": 0, "sdpa": 0}
@@ -287,14 +285,11 @@ def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
         LLM(quantization="int4", kv_cache_memory=0.1)
 
 
+@pytest.mark.requires("avx512_vnni")
 def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source):
     """int8 weights times int8 activations in the decoder layers; the LM head and the first
-    and last layers keep bf16 activations (int8 ones there cost the most accuracy)."""
-    kmod = kernels.for_model(torch.device("cpu"), torch.bfloat16)
-    if kmod is None or not getattr(kmod, "has_w8a8", False):
-        with pytest.raises(ValueError, match="w8a8"):
-            LLM(dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
-        return
+    and last layers keep bf16 activations (int8 ones there cost the most accuracy). (Its
+    refusal on CPUs without AVX-512 VNNI: tests/unit/test_platform.py.)"""
     llm = LLM(dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
@@ -313,21 +308,10 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
                 "Translate 'good morning' to Spanish.", "What is 12 times 11?", "Name a famous painter."]
 
 
-def int8_kv_available() -> bool:
-    try:
-        kernels.require_int8_kv(kernels.for_model(torch.device("cpu"), torch.bfloat16))
-        return True
-    except ValueError:
-        return False
-
-
+@pytest.mark.requires("avx512_vnni")
 def test_int8_kv_cache_on_the_default_model(smollm2_source):
     """kv_cache_dtype='int8': ~1.9x the blocks in the same memory, greedy answers that
     track the bf16 cache's, nothing leaked; it needs bfloat16 and our kernels."""
-    if not int8_kv_available():
-        with pytest.raises(ValueError, match="kv_cache_dtype"):
-            LLM(dtype="bfloat16", kv_cache_dtype="int8", kv_cache_memory=0.1)
-        return
     chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     outs, blocks = {}, {}
     for kv in ("auto", "int8"):
@@ -351,14 +335,13 @@ def test_int8_kv_cache_on_the_default_model(smollm2_source):
         LLM(kv_cache_dtype="int8", block_size=8, kv_cache_memory=0.1)
 
 
+@pytest.mark.requires("avx512_vnni")
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_int8_kv_cache_chunking_and_preemption_keep_the_tokens(tiny_checkpoint, kind):
     """Over an int8 cache a token's attention does not depend on how its prompt was
     chunked or whether its request was preempted and recomputed: the same greedy tokens
     with a 16-token step budget and with a cache too small for all requests. (Qwen3's
     per-head norms keep RoPE and the cache write in Python: the torch write path.)"""
-    if not int8_kv_available():
-        pytest.skip("C++ kernels with AVX-512 VNNI unavailable")
     path = str(tiny_checkpoint(kind))
     prompts = prompts_of_lengths(None, [5, 17, 40, 63, 100, 9], seed=7)
     params = SamplingParams(max_tokens=30, **GREEDY)
@@ -373,11 +356,10 @@ def test_int8_kv_cache_chunking_and_preemption_keep_the_tokens(tiny_checkpoint, 
         assert_all_blocks_free(llm)
 
 
+@pytest.mark.requires("avx512_vnni")
 def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint):
     """Deterministic mode over an int8 cache: a request's tokens and logprobs are bitwise
     those of its solo run when it shares chunked steps with other requests."""
-    if not int8_kv_available():
-        pytest.skip("C++ kernels with AVX-512 VNNI unavailable")
     path = str(tiny_checkpoint("llama"))
     prompts = prompts_of_lengths(None, [37, 5, 17, 40, 63, 100, 9], seed=9)
     params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
@@ -392,13 +374,11 @@ def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint):
     assert_all_blocks_free(crowd)
 
 
+@pytest.mark.requires("avx512_vnni")
 def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint):
     """bf16 with our kernels: greedy steps without logprobs take the LM head's argmax from
     int8 logits rescored exactly (models' greedy_tokens); the tokens are those of the full
     head, and steps that need the logits themselves (logprobs, sampling) still get them."""
-    kmod = kernels.for_model(torch.device("cpu"), torch.bfloat16)
-    if kmod is None or not getattr(kmod, "has_w8a8", False):
-        pytest.skip("C++ kernels with AVX-512 VNNI unavailable")
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
     model = llm.engine.runner.model
     assert model._greedy_head is not None

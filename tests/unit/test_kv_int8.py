@@ -11,14 +11,12 @@ from sluice.worker.attention import (dense_from_int8_cache, int8_cache_from_dens
                                      write_kv)
 
 
+pytestmark = pytest.mark.requires("avx512_vnni")
+
+
 @pytest.fixture(scope="module")
 def k():
-    mod = kernels.for_model(torch.device("cpu"), torch.bfloat16)
-    try:
-        kernels.require_int8_kv(mod)
-    except ValueError as e:
-        pytest.skip(str(e))
-    return mod
+    return kernels.for_model(torch.device("cpu"), torch.bfloat16)
 
 
 def test_quantization_and_layout_round_trip():

@@ -84,7 +84,10 @@ class Linear(nn.Linear):
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN prepacks bf16 weights only where it computes bf16 itself (AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT); elsewhere, an AVX2-only CPU say, bf16 layers keep F.linear."""
+    from sluice.backends.platform import cpu
+    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu().onednn_bf16
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
