@@ -11,7 +11,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None      # "stop", "length", "abort", or None while running
+    finish_reason: str | None = None      # "stop", "length", "abort", "error", or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
 
@@ -40,6 +40,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt
     # token {token_id: Logprob} with that token and the top-N (shared by all n samples).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the request was ended by a failure inside the engine (finish_reason "error").
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

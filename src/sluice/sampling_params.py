@@ -2,7 +2,34 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+
+INT32_MAX = 2**31 - 1
+# Temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM does the same).
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 1e4
+MAX_REPETITION_PENALTY = 1e4
+MAX_STOP = 64
+MAX_STOP_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _int(name: str, value, low: int, high: int = INT32_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value}")
+    return value
+
+
+def _float(name: str, value, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or not (low < value if low_open else low <= value) or value > high:
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
+    return value
 
 
 @dataclass
@@ -42,43 +69,47 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Every field's type and range, so that no value that passes can fail inside an
+        engine step (where it would fail every request of the batch): integers within
+        what torch's int64 tensors hold, floats finite, lists bounded."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not isinstance(self.stop, (list, tuple)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError("stop must be a string or a list of strings, stop_token_ids a list of token ids")
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _int("n", self.n, 1)
+        _float("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # As vLLM: logits / 1e-9 overflow float32 to inf and the draw to NaN.
+            self.temperature = MIN_TEMPERATURE
+        _float("top_p", self.top_p, 0, 1, low_open=True)
+        if _int("top_k", self.top_k, -1) == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        _float("min_p", self.min_p, 0, 1)
+        _float("repetition_penalty", self.repetition_penalty, 0, MAX_REPETITION_PENALTY, low_open=True)
+        _float("presence_penalty", self.presence_penalty, -2, 2)
+        _float("frequency_penalty", self.frequency_penalty, -2, 2)
+        if self.seed is not None:
+            _int("seed", self.seed, -2**63, 2**64 - 1)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0)
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN
+                                            for s in self.stop):
+            raise ValueError(f"stop must be a list of at most {MAX_STOP} non-empty strings of at most "
+                             f"{MAX_STOP_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
 
     @property
     def greedy(self) -> bool:

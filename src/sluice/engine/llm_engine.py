@@ -55,24 +55,13 @@ class StepTimings:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        config.validate()  # idempotent; refuses modes this machine cannot run, before anything loads
         self.config = config
         mc = config.model
         self.device = torch.device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, mc.device)
-        if config.cache.kv_cache_dtype == "int8" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
-            raise ValueError("kv_cache_dtype='int8' needs dtype bfloat16 on the CPU")
         t0 = time.perf_counter()
-        src = resolve_model(mc.model)
-        hf_config = load_hf_config(src)
-        with torch.device(self.device):
-            model = build_model(hf_config).to(self.dtype)
-        model.load_weights(iter_weights(src, self.dtype))
-        model.eval()
-        if mc.quantization is not None and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
-            raise ValueError(f"quantization={mc.quantization!r} needs dtype bfloat16 on the CPU")
-        arch = model.arch
-        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
-                                 arch.max_position_embeddings)
+        # Kernels before weights: a mode whose kernels failed to build is refused at once.
         if mc.deterministic:
             model_kernels = kernels.batch_invariant(self.device, self.dtype)
         else:
@@ -81,8 +70,17 @@ class LLMEngine:
             kernels.require_w8a8(model_kernels)
         if config.cache.kv_cache_dtype == "int8":
             kernels.require_int8_kv(model_kernels)
-            if arch.head_dim % 4:
-                raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
+        src = resolve_model(mc.model)
+        hf_config = load_hf_config(src)
+        with torch.device(self.device):
+            model = build_model(hf_config).to(self.dtype)
+        arch = model.arch
+        if config.cache.kv_cache_dtype == "int8" and arch.head_dim % 4:
+            raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
+        model.load_weights(iter_weights(src, self.dtype))
+        model.eval()
+        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
         model.optimize_for(self.device, self.dtype, mc.quantization, model_kernels, mc.deterministic,
                            self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)
@@ -120,13 +118,16 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         if not ids:
             raise ValueError("prompt must not be empty")
+        self._check_vocab(params)
         max_tokens = self._check_fits(len(ids), params)
         children = []
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                # Independent samples: each child gets its own seed derived from the request's.
-                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                # Independent samples: each child gets its own seed derived from the request's
+                # (wrapped into int64, where every seed draws as its value modulo 2^64 would).
+                seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+                child_params = params.clone(n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, self.tokenizer.eos_token_ids,
                                     max_tokens, arrival_time, cache_salt=cache_salt,
@@ -135,6 +136,17 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
         return ids
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        """The fields whose bound is this model's vocabulary (a token id past it would
+        fail inside the step, for every request in the batch)."""
+        vocab = self.runner.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}) for this model")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len
@@ -173,19 +185,48 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.outputs.has_pending()
 
+    def reset(self) -> list[str]:
+        """Forget every request and cached block, keeping the model and the KV tensors:
+        the state a fresh engine starts from, in milliseconds. For recovery after a failure
+        that may have left the queues inconsistent; returns the ids of the requests dropped
+        (their streams must be ended by the caller)."""
+        dropped = list(self.outputs.parents)
+        self.kv = KVCacheManager(self.runner.num_blocks, self.config.cache.block_size,
+                                 enable_caching=self.config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        return dropped
+
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t = self.timings
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        result = self.runner.execute(plan)
-        t2 = time.perf_counter()
-        update = self.scheduler.update(plan, result)
-        outputs = self.outputs.process(update)
+        try:
+            result = self.runner.execute(plan)
+            t2 = time.perf_counter()
+            update = self.scheduler.update(plan, result)
+            outputs = self.outputs.process(update)
+        except Exception as e:
+            # One failed step must not stop the engine: its requests end with an error and
+            # the rest (waiting, or not in this step) go on. Nothing they computed this step
+            # was counted, so none of its blocks stay named in the prefix cache.
+            return self._fail_step(plan, e)
         t3 = time.perf_counter()
         t.steps += 1
         t.schedule += t1 - t0
         t.execute += t2 - t1
         t.update_and_output += t3 - t2
         return outputs
+
+    def _fail_step(self, plan, error: Exception) -> list[RequestOutput]:
+        parents = self.outputs.parents_of(e.request_id for e in plan.scheduled)
+        logger.exception("an engine step failed (%s); ending its %d request(s) with an error, the engine "
+                         "goes on", type(error).__name__, len(parents))
+        for pid in parents:
+            for cid in self.outputs.children_of(pid):
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ERROR)
+        message = (f"the engine step running this request failed ({type(error).__name__}); the request was "
+                   f"ended and the server goes on serving others (details in the server log)")
+        return self.outputs.fail(parents, message)

@@ -33,6 +33,7 @@ class _ParentState:
     child_ids: list[str]
     finished_children: set[str] = field(default_factory=set)
     prompt_logprobs: list | None = None   # complete and decoded; never changes after
+    error: str | None = None              # why the engine ended it, if it failed
 
 
 class OutputProcessor:
@@ -66,6 +67,20 @@ class OutputProcessor:
 
     def mark_aborted(self, requests: list[Request]) -> None:
         self._aborted.extend(requests)
+
+    def parents_of(self, request_ids) -> list[str]:
+        """The parent request ids of these sample ids (each once, in order)."""
+        return list(dict.fromkeys(self.samples[r].parent_id for r in request_ids if r in self.samples))
+
+    def fail(self, parent_ids: list[str], error: str) -> list[RequestOutput]:
+        """Final outputs for requests the engine ended with an error (their samples are
+        already finished in the scheduler)."""
+        outs = []
+        for pid in parent_ids:
+            if pid in self.parents:
+                self.parents[pid].error = error
+                outs.append(self._make_output(pid))
+        return outs
 
     def process(self, update: StepUpdate) -> list[RequestOutput]:
         touched: dict[str, None] = {}
@@ -149,7 +164,7 @@ class OutputProcessor:
             first_token=min((r.first_token_time for r in reqs if r.first_token_time), default=None))
         out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished, times,
                             num_cached_tokens=max(r.num_cached_tokens for r in reqs),
-                            prompt_logprobs=self._prompt_logprobs(parent, reqs))
+                            prompt_logprobs=self._prompt_logprobs(parent, reqs), error=parent.error)
         if finished:
             for cid in parent.child_ids:
                 self.samples.pop(cid, None)
