@@ -72,7 +72,8 @@ def test_overload_is_429_with_retry_after(server):
     """One seat, two waiting places: the fourth concurrent request is turned away."""
     aengine, metrics, _ = start_engine(server.model_path, num_blocks=256, max_num_seqs=1)
     from sluice.entrypoints.openai.api_server import ServerConfig
-    srv = RunningServer(aengine, ServerConfig(served_model_name=MODEL, max_waiting=2), metrics)
+    from sluice.entrypoints.openai.serving import ServingLimits
+    srv = RunningServer(aengine, ServerConfig(served_model_name=MODEL, limits=ServingLimits(max_waiting=2)), metrics)
     try:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
 

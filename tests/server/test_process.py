@@ -13,12 +13,14 @@ import httpx
 from tests.server.conftest import MODEL, free_port
 
 
-def test_sigterm_mid_stream_exits_zero_within_seconds(tiny_checkpoint):
+def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint):
+    """On SIGTERM open streams get the grace period, then a final error event and [DONE]
+    (they used to be cut mid-chunk, with a CancelledError traceback each in the log)."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model",
                              str(tiny_checkpoint("llama")), "--dtype", "float32", "--port", str(port),
-                             "--num-blocks", "128", "--served-model-name", MODEL],
+                             "--num-blocks", "128", "--served-model-name", MODEL, "--shutdown-grace", "0.3"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -32,15 +34,27 @@ def test_sigterm_mid_stream_exits_zero_within_seconds(tiny_checkpoint):
                 pass
             assert time.time() < deadline, "server did not come up"
             time.sleep(0.2)
-        body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=30) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            next(lines)
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as c:
+            streams = [c.stream("POST", f"{url}/v1/completions", json=body) for _ in range(3)]
+            lines = []
+            for s in streams:
+                r = s.__enter__()
+                lines.append(r.iter_lines())
+                next(lines[-1])
             t0 = time.time()
             proc.send_signal(signal.SIGTERM)
+            tails = [[line for line in it if line.startswith("data: ")][-2:] for it in lines]
+            for s in streams:
+                s.__exit__(None, None, None)
             rc = proc.wait(timeout=15)
         assert rc == 0
         assert time.time() - t0 < 8
+        for last, done in tails:
+            assert done == "data: [DONE]"
+            assert json.loads(last[6:]).get("error", {}).get("code") == "shutting_down", last
+        log = proc.stdout.read()
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -5,6 +5,15 @@ thread through a queue and reads each request's outputs from an asyncio.Queue th
 engine thread fills with call_soon_threadsafe after every step. A request that arrives
 mid-generation joins the batch at the next step; each step's new tokens reach their
 streams as soon as the step completes.
+
+Failures never leave a stream hanging or the server answering 503 for good:
+- a step that raises ends its own requests with an error (LLMEngine.step) and the loop
+  goes on;
+- if the loop itself dies (a failure outside a step), every request in flight ends with
+  RequestFailedError at once and the engine is reset (its queues and cache rebuilt, the
+  model kept: milliseconds); after MAX_RESETS deaths within RESET_WINDOW_S, or if the
+  reset fails, the engine is declared dead and `on_dead` is called (the server then exits
+  non-zero, for a supervisor to restart it).
 """
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -22,9 +32,20 @@ from sluice.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_RESETS = 3
+RESET_WINDOW_S = 60.0
+
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine is gone for good (its loop died and could not be reset)."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is stopping: no new requests, and open ones end at the grace deadline."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request was ended by a failure inside the engine; the engine goes on."""
 
 
 @dataclass
@@ -38,22 +59,32 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
-                 on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None):
+                 on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):
         """`engine`: an engine, or a function that builds one, which then runs in the engine
         thread. Prefer the function: OpenMP gives every thread that opens a parallel region
         its own worker pool, and a model loaded in one thread and run in another leaves two
         pools on the same cores, where libgomp throttles its spin-waiting (measured: decode
-        steps 45% slower). Built in the engine thread, every parallel op runs in one pool."""
+        steps 45% slower). Built in the engine thread, every parallel op runs in one pool.
+        `on_dead` is called (from the engine thread) if the engine dies for good."""
         self._factory = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = None if self._factory else engine
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.on_step = on_step
+        self.on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stop = False
         self._dead: BaseException | None = None
+        # Guards what both threads change: the sequences sent but not yet queued by the
+        # engine thread, and the dead / draining state.
+        self._lock = threading.Lock()
+        self._unqueued = 0
+        self._draining = False
+        self._drain_deadline: float | None = None
+        self.num_resets = 0
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
 
     # -- called from the event loop -------------------------------------------
@@ -71,12 +102,23 @@ class AsyncEngine:
         return self._dead is not None
 
     @property
+    def accepting(self) -> bool:
+        return self._dead is None and not self._draining
+
+    @property
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting
 
     @property
     def num_running(self) -> int:
         return self.engine.scheduler.num_running
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences waiting for a seat: queued in the scheduler, plus those sent to the
+        engine thread that it has not queued yet (so back-to-back admissions count each
+        other at once, not a step later)."""
+        return self._unqueued + self.engine.scheduler.num_waiting
 
     async def reset_prefix_cache(self) -> int:
         """Forget cached prefix blocks, between two engine steps; returns how many."""
@@ -85,22 +127,34 @@ class AsyncEngine:
         self._send(("reset", loop, done))
         return await done
 
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               cache_salt: str | None = None) -> tuple[asyncio.Future, AsyncIterator[RequestOutput]]:
+        """Send a request to the engine thread now (no await: an admission check just
+        before it sees it counted). Returns a future of its prompt token ids (it raises
+        the engine's ValueError if the request can never run) and its output stream."""
+        loop = asyncio.get_running_loop()
+        added: asyncio.Future = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue())
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError("the engine stopped; the server is restarting")
+            if self._draining:
+                raise ShuttingDownError("the server is shutting down")
+            self._unqueued += params.n
+            self._send(("add", request_id, prompt, params, cache_salt, stream, added))
+        return added, self._iterate(request_id, stream)
+
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_salt: str | None = None) -> tuple[list[int], AsyncIterator[RequestOutput]]:
         """Queue a request; returns its prompt token ids and its output stream.
         Raises ValueError (from the engine) if the request can never run."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped: {self._dead}")
-        loop = asyncio.get_running_loop()
-        added: asyncio.Future = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
-        self._send(("add", request_id, prompt, params, cache_salt, stream, added))
+        added, stream = self.submit(request_id, prompt, params, cache_salt)
         try:
             prompt_ids = await added
         except asyncio.CancelledError:
             self.abort(request_id)  # the caller left before its stream existed
             raise
-        return prompt_ids, self._iterate(request_id, stream)
+        return prompt_ids, stream
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -108,8 +162,11 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has already let it go
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -120,6 +177,14 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop taking requests; those still open after grace_s end with ShuttingDownError
+        (their blocks freed), so every stream can be closed properly before the process exits."""
+        with self._lock:
+            self._draining = True
+            self._drain_deadline = time.monotonic() + grace_s
+        self._wake.set()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop = True
@@ -141,33 +206,99 @@ class AsyncEngine:
                 return
             finally:
                 self._ready.set()
+        deaths: deque[float] = deque()
+        while True:
+            try:
+                self._loop()
+                break
+            except Exception as e:  # a bug outside a step: end what is in flight, reset, go on
+                now = time.monotonic()
+                deaths.append(now)
+                while deaths and now - deaths[0] > RESET_WINDOW_S:
+                    deaths.popleft()
+                fatal = len(deaths) > MAX_RESETS
+                logger.exception("the engine loop failed (%s, %d time(s) in the last %.0f s); ending %d request(s) "
+                                 "in flight and %s", type(e).__name__, len(deaths), RESET_WINDOW_S,
+                                 len(self._streams), "giving up" if fatal else "resetting the engine")
+                self._end_streams(RequestFailedError(
+                    f"the engine failed while running this request ({type(e).__name__}) and was "
+                    f"{'stopped' if fatal else 'reset; the server goes on'} (details in the server log)"))
+                if fatal:
+                    self._die(e)
+                    return
+                try:
+                    self.engine.reset()
+                    self.num_resets += 1
+                except Exception as reset_error:
+                    logger.exception("resetting the engine failed")
+                    self._die(reset_error)
+                    return
+        # Shutting down: end every open stream, and free its blocks.
+        self._end_requests(ShuttingDownError("the server is shutting down"))
+        self._fail_pending_adds(ShuttingDownError("the server is shutting down"))
+
+    def _loop(self) -> None:
         engine = self.engine
-        try:
-            while not self._stop:
-                if not engine.has_unfinished_requests() and self._commands.empty():
-                    self._wake.wait()
-                self._wake.clear()
-                self._drain_commands()
-                if engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
-                    outputs = engine.step()
-                    self._dispatch(outputs)
-                    if self.on_step is not None:
+        while not self._stop:
+            if not engine.has_unfinished_requests() and self._commands.empty():
+                # Idle; while draining, wake at the deadline if streams are still open.
+                deadline = self._drain_deadline if self._streams else None
+                self._wake.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self._wake.clear()
+            self._drain_commands()
+            self._end_drained()
+            if engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                self._dispatch(outputs)
+                if self.on_step is not None:
+                    try:
                         self.on_step(engine, outputs, time.perf_counter() - t0)
-        except BaseException as e:  # a bug in the engine: fail every stream, never hang them
-            logger.exception("engine loop died")
-            self._dead = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"engine stopped: {e}"))
-            self._streams.clear()
+                    except Exception:  # metrics are not worth a request
+                        logger.exception("the per-step hook failed")
+
+    def _end_drained(self) -> None:
+        deadline = self._drain_deadline
+        if deadline is None or time.monotonic() < deadline or not self._streams:
             return
-        # Shutting down: end every open stream as aborted.
-        for rid in list(self._streams):
-            engine.abort(rid)
-        self._dispatch(engine.step() if engine.has_unfinished_requests() else [])
+        logger.warning("shutdown grace period over: ending %d open request(s)", len(self._streams))
+        self._end_requests(ShuttingDownError("the server is shutting down; the request was ended"))
+
+    def _end_requests(self, error: BaseException) -> None:
+        """Every open stream gets `error` (before its abort could reach it as a plain
+        finish), and every request is aborted, which frees its blocks at once."""
+        rids = list(self._streams)
+        self._end_streams(error)
+        for rid in rids:
+            self.engine.abort(rid)
+
+    def _end_streams(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            stream.put(EngineDeadError("server is shutting down"))
+            stream.put(error)
         self._streams.clear()
+
+    def _fail_pending_adds(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, _, _, params, _, stream, added = cmd
+                with self._lock:
+                    self._unqueued -= params.n
+                stream.loop.call_soon_threadsafe(_set_exception, added, error)
+            elif cmd[0] == "reset":
+                cmd[1].call_soon_threadsafe(_set_exception, cmd[2], error)
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            self._dead = error
+        logger.error("the engine is dead (%s: %s)", type(error).__name__, error)
+        self._end_streams(EngineDeadError("the engine stopped; the server is restarting"))
+        self._fail_pending_adds(EngineDeadError("the engine stopped; the server is restarting"))
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def _drain_commands(self) -> None:
         while True:
@@ -182,6 +313,9 @@ class AsyncEngine:
                 except Exception as e:  # ValueError for bad input; reported, never fatal
                     stream.loop.call_soon_threadsafe(_set_exception, added, e)
                     continue
+                finally:
+                    with self._lock:
+                        self._unqueued -= params.n
                 self._streams[rid] = stream
                 stream.loop.call_soon_threadsafe(_set_result, added, ids)
             elif cmd[0] == "reset":

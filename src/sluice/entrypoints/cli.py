@@ -1,5 +1,6 @@
 """Command line: `sluice serve`, `sluice generate "prompt"`, `sluice chat` (interactive,
-streaming) and `sluice bench serve` (load generator for any OpenAI-compatible server)."""
+streaming), `sluice bench serve` (load generator for any OpenAI-compatible server) and
+`sluice bench soak` (load and faults against one, reporting what broke)."""
 from __future__ import annotations
 
 import argparse
@@ -132,9 +133,19 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     from sluice.entrypoints.openai.api_server import ServerConfig, serve
+    from sluice.entrypoints.openai.serving import ServingLimits
     name = args.served_model_name or args.model
+    for flag, value, low in (("--max-waiting", args.max_waiting, 1), ("--max-n", args.max_n, 1),
+                             ("--max-request-bytes", args.max_request_bytes, 1024),
+                             ("--request-timeout", args.request_timeout, 0),
+                             ("--shutdown-grace", args.shutdown_grace, 0)):
+        if not value >= low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    limits = ServingLimits(max_waiting=args.max_waiting, max_n=args.max_n,
+                           request_timeout=args.request_timeout or None)
     config = ServerConfig(host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
-                          max_waiting=args.max_waiting)
+                          limits=limits, max_request_bytes=args.max_request_bytes,
+                          shutdown_grace_s=args.shutdown_grace)
     return serve(engine_kwargs(args), config, log_level="info" if args.log_level == "WARNING" else args.log_level)
 
 
@@ -150,15 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model name clients send and /v1/models lists (default: --model)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
-    srv.add_argument("--max-waiting", type=int, default=1024,
-                     help="requests allowed to wait for a seat; more get HTTP 429 + Retry-After (default 1024)")
+    srv.add_argument("--max-waiting", type=int, default=128,
+                     help="sequences (prompts x n) allowed to wait for a seat; past it new requests get HTTP 429 "
+                          "+ Retry-After, and a request with more sequences than this gets 400 (default 128)")
+    srv.add_argument("--max-n", type=int, default=16, help="the most samples (n) one request may ask for (default 16)")
+    srv.add_argument("--request-timeout", type=float, default=600.0,
+                     help="seconds a request may wait and run in all; past it, it ends with an error and its KV "
+                          "blocks are freed (default 600; 0: no limit)")
+    srv.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                     help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
+    srv.add_argument("--shutdown-grace", type=float, default=2.0,
+                     help="on SIGTERM, seconds open requests get to finish before they end with an error (default 2)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from sluice.bench.serve import add_parser as add_bench_serve
+    from sluice.bench.soak import add_parser as add_bench_soak
     add_bench_serve(bench_sub)
+    add_bench_soak(bench_sub)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")

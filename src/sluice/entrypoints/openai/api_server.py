@@ -1,17 +1,23 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health,
-/version, /metrics. Errors are OpenAI-shaped JSON; no stack trace ever reaches a client.
+/version, /metrics. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
+stack trace or internal exception text ever reaches a client, and an unexpected error
+is a 500 on a connection that stays usable. A body over max_request_bytes is refused
+(413) before it is read. A client that leaves a non-streaming request aborts it, as a
+streaming one does. On SIGTERM the server stops accepting, open requests get
+shutdown_grace_s to finish, then end with an error event and `[DONE]`.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,11 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sluice
-from sluice.engine.async_engine import AsyncEngine, EngineDeadError
+from sluice.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ShuttingDownError
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                  ModelList)
-from sluice.entrypoints.openai.serving import OpenAIServing
+from sluice.entrypoints.openai.serving import OpenAIServing, RequestTimeoutError, ServingLimits, api_error
 from sluice.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -48,19 +54,108 @@ class APIKeyMiddleware:
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body larger than this server accepts ({limit} bytes, --max-request-bytes)")
+
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class GuardMiddleware:
+    """The outermost of our middlewares. Refuses headers over MAX_HEADER_BYTES (431), a body
+    over `max_bytes` before reading it
+    (by its Content-Length) or as soon as it passes the limit (chunked); and turns any
+    exception that escaped the app into a 500 JSON response *without* re-raising it, since
+    Starlette's own last-resort handler re-raises, and the server then closes the
+    connection under the client's next request on it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            # uvicorn refuses bigger ones only when they arrive over several reads.
+            return await error_json(431, f"request headers larger than {MAX_HEADER_BYTES} bytes")(scope, receive, send)
+        length = Request(scope).headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await error_json(413, _BodyTooLarge(self.max_bytes).detail)(scope, receive, send)
+        seen, started = 0, False
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge(self.max_bytes)  # FastAPI re-raises HTTPExceptions from the body read
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except Exception:
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_json(500, "internal server error")(scope, receive, send)
+
+
+# What a non-streaming handler returns when its client has gone (nobody reads it).
+CLIENT_CLOSED = 499
+
+
+async def _client_gone(receive) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message
+    a request gets is http.disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work):
+    """Run `work` unless the client disconnects first; then cancel it (the serving code's
+    `finally` aborts its engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_client_gone(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return None
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = "smollm2-135m"
     api_key: str | None = None
-    # Requests allowed to wait for a seat; past it new requests get 429 + Retry-After.
-    max_waiting: int = 1024
+    # Waiting sequences, the largest n, the request timeout, the SSE keep-alive interval.
+    limits: ServingLimits = field(default_factory=ServingLimits)
+    # Bodies larger than this are refused with 413 before they are read.
+    max_request_bytes: int = 4 * 2**20
+    # On SIGTERM, seconds open requests get to finish before they are ended with an error.
+    shutdown_grace_s: float = 2.0
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="sluice", version=sluice.__version__)
-    serving = OpenAIServing(engine, config.served_model_name)
+    serving = OpenAIServing(engine, config.served_model_name, config.limits)
     app.state.engine = engine
 
     @app.exception_handler(APIError)
@@ -77,8 +172,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
             return error_json(400, "request body must be a JSON object (send Content-Type: application/json)")
         param = loc[0] if loc else None
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return error_json(400, msg, param=param)
+        msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        return error_json(400, f"{'.'.join(loc) or 'body'}: {msg}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -86,26 +181,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
             return error_json(404, f"route {request.method} {request.url.path} not found")
         return error_json(e.status_code, str(e.detail))
 
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_, e: EngineDeadError):
-        return error_json(503, str(e))
+    async def _engine_error(_, e: Exception):
+        err = api_error(e)
+        return error_json(err.status, err.message, code=err.code, headers=err.headers)
 
-    @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        logger.exception("internal error")
-        return error_json(500, "internal server error")
+    for kind in (EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError):
+        app.add_exception_handler(kind, _engine_error)
 
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(GuardMiddleware, max_bytes=config.max_request_bytes)
 
-    def admit(model: str | None) -> None:
+    def check_model(model: str | None) -> None:
         if model is not None and model != config.served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{config.served_model_name!r}", param="model", code="model_not_found")
-        if engine.num_waiting >= config.max_waiting:
-            raise APIError(429, f"server overloaded: {engine.num_waiting} requests waiting "
-                                f"(max_waiting={config.max_waiting}); retry later",
-                           code="overloaded", headers={"Retry-After": "1"})
 
     def respond(result):
         if hasattr(result, "__aiter__"):
@@ -121,15 +211,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         parts = [p for p in (tenant, req.cache_salt) if p]
         return "/".join(parts) or None
 
+    async def handle(raw: Request, work):
+        result = await until_disconnected(raw, work)
+        if result is None:  # the client left; its requests are aborted
+            return Response(status_code=CLIENT_CLOSED)
+        return respond(result)
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        admit(req.model)
-        return respond(await serving.completions(req, salt(req)))
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        return await handle(raw, serving.completions(req, salt(req)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        admit(req.model)
-        return respond(await serving.chat(req, salt(req)))
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        return await handle(raw, serving.chat(req, salt(req)))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):
@@ -147,7 +243,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     @app.get("/health")
     async def health():
         if engine.dead:
-            return error_json(503, "engine stopped")
+            return error_json(503, "the engine stopped; the server is restarting")
+        if not engine.accepting:
+            return error_json(503, "the server is shutting down")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -178,7 +276,15 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGTERM after a graceful shutdown, so the process would die
-        by the signal; a server that shut down cleanly should exit 0."""
+        by the signal; a server that shut down cleanly should exit 0. On the signal, the
+        engine drains: open requests get the grace period, then end with an error event."""
+        engine: AsyncEngine | None = None
+        grace_s: float = 2.0
+
+        def handle_exit(self, sig, frame):
+            if self.engine is not None:
+                self.engine.begin_drain(self.grace_s)
+            super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -200,17 +306,31 @@ def serve(engine_kwargs: dict, config: ServerConfig, log_level: str = "info") ->
 
     from sluice.engine.llm_engine import LLMEngine
     metrics = Metrics(config.served_model_name)
+    exit_code = 0
+
+    def on_dead(_error: BaseException) -> None:
+        # The engine failed past recovery: stop serving and exit non-zero, so a supervisor
+        # (systemd, Kubernetes, a shell loop) restarts the process, rather than answer 503.
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
     # The model loads in the engine thread, where it runs (see AsyncEngine).
-    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics))
+    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics),
+                         on_dead=on_dead)
     engine.start()
     app = build_app(engine, config, metrics)
     logger.warning("sluice serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
-    # On SIGINT/SIGTERM uvicorn stops accepting; streams still open get two seconds to
-    # finish, then their tasks are cancelled, which aborts their requests.
+    # On SIGINT/SIGTERM uvicorn stops accepting and the engine drains: open requests get
+    # shutdown_grace_s to finish, then end with an error event and [DONE]; uvicorn's own
+    # deadline (when it would cancel what is left) comes after that.
     server = _server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
-                                    timeout_graceful_shutdown=2))
+                                            timeout_graceful_shutdown=config.shutdown_grace_s + 3))
+    server.engine, server.grace_s = engine, config.shutdown_grace_s
     try:
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    if exit_code:
+        logger.error("exiting with status %d: the engine could not be recovered", exit_code)
+    return exit_code

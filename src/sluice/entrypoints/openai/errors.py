@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+          431: "invalid_request_error", 504: "timeout",
           500: "internal_server_error", 503: "service_unavailable"}
 
 

@@ -5,11 +5,38 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Deeper than this a JSON body is refused (400) before any field is read: nothing in the
+# API nests more than a few levels, and deep values are costly to copy and to render.
+MAX_BODY_DEPTH = 32
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_body(value) -> None:
+    """ValueError for a body no tokenizer or template should see: a lone UTF-16
+    surrogate in any string (JSON's "\\ud800" escapes parse to one, and the tokenizer
+    fails on it) or nesting past MAX_BODY_DEPTH. Iterative, so depth costs no recursion."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise ValueError(f"the body nests deeper than {MAX_BODY_DEPTH} levels")
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("a string in the body is not valid Unicode (a lone surrogate, "
+                                     "such as \\ud800, has no UTF-8 form)") from None
+        elif isinstance(v, dict):
+            stack.extend((k, depth + 1) for k in v)
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
 
 
 class StreamOptions(BaseModel):
@@ -18,8 +45,15 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     # Unknown fields are ignored, as OpenAI's own server does, so clients that send
-    # newer parameters keep working.
-    model_config = ConfigDict(extra="ignore")
+    # newer parameters keep working. NaN and Infinity (which Python's JSON parser
+    # accepts) are refused in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text_and_depth(cls, data):
+        check_body(data)
+        return data
 
     model: str | None = None
     n: int = 1
@@ -49,10 +83,13 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # Accepted only as n (vLLM's V1 engine dropped best_of > n as well).
+    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Other fields (name, tool_calls, tool_call_id, ...) reach the chat template as sent.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: str
     content: str | list[dict] | None = None
 

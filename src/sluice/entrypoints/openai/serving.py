@@ -3,16 +3,28 @@
 Streaming responses are Server-Sent Events. Every engine request a handler starts is
 aborted in a `finally`, so a client that disconnects (the response task is cancelled)
 frees its KV blocks within one engine step; aborting a finished request is a no-op.
+
+Prompts are tokenized (and chat templates rendered) on a small thread pool, never on the
+event loop or the engine thread: the tokenizer releases the GIL, so a huge prompt delays
+nobody else's stream. Admission counts sequences (prompts x n) against
+ServingLimits.max_waiting in the same synchronous stretch that hands them to the engine,
+so simultaneous requests cannot all pass the check before any is counted. Every request
+has a deadline (ServingLimits.request_timeout); a stream that has nothing to send gets an
+SSE comment every sse_keepalive_s, and a stream that fails ends with an error event and
+`[DONE]`, never by a cut connection.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from sluice.engine.async_engine import AsyncEngine
-from sluice.entrypoints.openai.errors import APIError, from_value_error
+import jinja2
+
+from sluice.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ShuttingDownError
+from sluice.entrypoints.openai.errors import APIError, error_payload, from_value_error
 from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
@@ -21,6 +33,45 @@ from sluice.entrypoints.openai.protocol import (
 from sluice.outputs import RequestOutput
 from sluice.request import Logprob
 from sluice.sampling_params import SamplingParams
+
+
+@dataclass
+class ServingLimits:
+    # Sequences (prompts x n) allowed to wait for a seat; past it, 429 + Retry-After.
+    max_waiting: int = 128
+    # The most samples one request may ask for (n, best_of).
+    max_n: int = 16
+    # Seconds a request may wait and run in all; None: no limit.
+    request_timeout: float | None = 600.0
+    # Seconds of silence after which a stream gets an SSE comment (proxies and clients
+    # that time out idle connections would otherwise drop a queued stream).
+    sse_keepalive_s: float = 15.0
+
+
+class RequestTimeoutError(RuntimeError):
+    pass
+
+
+def api_error(e: BaseException) -> APIError | None:
+    """The HTTP error for a request the engine could not finish; None if `e` is not one."""
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="engine_error")
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    if isinstance(e, RequestTimeoutError):
+        return APIError(504, str(e), code="timeout")
+    return None
+
+
+_ENGINE_ERRORS = (RequestFailedError, ShuttingDownError, EngineDeadError, RequestTimeoutError)
+
+
+def sse_error(e: APIError) -> str:
+    body = error_payload(e.status, e.message)
+    body["error"]["code"] = e.code
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
@@ -74,6 +125,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keep-alive\n\n"   # an SSE comment: clients ignore it, idle timers reset
+
+
 def sse(payload) -> str:
     data = payload.model_dump()
     for choice in data.get("choices", ()):
@@ -100,20 +155,58 @@ class _Progress:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServingLimits | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.limits = limits or ServingLimits()
         self.tokenizer = engine.engine.tokenizer
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
 
-    async def _start(self, base_id: str, prompts: list, params: SamplingParams, salt: str | None) -> _Started:
+    def _deadline(self) -> float | None:
+        t = self.limits.request_timeout
+        return None if t is None else asyncio.get_running_loop().time() + t
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _check_n(self, n: int, best_of: int | None = None) -> None:
+        if n > self.limits.max_n:
+            raise APIError(400, f"n must be at most {self.limits.max_n} on this server, got {n}", param="n")
+        if best_of is not None and best_of != n:
+            raise APIError(400, f"best_of must equal n ({n}) if given, got {best_of}: sampling more candidates "
+                                f"than are returned is not supported", param="best_of")
+
+    def _admit(self, num_seqs: int) -> None:
+        """429 when this request's sequences would take the queue past max_waiting; 400 when
+        they could never fit it; 503 while the server stops. Synchronous, and followed by
+        the engine submission without an await in between."""
+        limit = self.limits.max_waiting
+        if not self.engine.accepting:
+            raise (ShuttingDownError("the server is shutting down") if not self.engine.dead
+                   else EngineDeadError("the engine stopped; the server is restarting"))
+        if num_seqs > limit:
+            raise APIError(400, f"this request has {num_seqs} sequences (prompts x n), more than this server "
+                                f"queues at once ({limit}, --max-waiting)", param="n")
+        waiting = self.engine.num_waiting_seqs
+        if waiting + num_seqs > limit:
+            raise APIError(429, f"server overloaded: {waiting} sequences waiting, and this request adds "
+                                f"{num_seqs} (max_waiting={limit}); retry later",
+                           code="overloaded", headers={"Retry-After": "1"})
+
+    async def _start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                     salt: str | None) -> _Started:
         # All prompts are handed to the engine at once (it takes commands between steps,
         # so adding them one after another would cost a step each).
+        self._admit(len(prompts) * params.n)
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
         started = _Started(rids, [], [])
+        futures = []
         try:
-            results = await asyncio.gather(
-                *(self.engine.add_request(rid, p, params, cache_salt=salt) for rid, p in zip(rids, prompts)),
-                return_exceptions=True)
+            for rid, p in zip(rids, prompts):
+                added, stream = self.engine.submit(rid, p, params, cache_salt=salt)
+                futures.append(added)
+                started.streams.append(stream)
+            results = await asyncio.gather(*futures, return_exceptions=True)
         except BaseException:
             self._abort(started)
             raise
@@ -123,10 +216,61 @@ class OpenAIServing:
             if isinstance(errors[0], ValueError):
                 raise from_value_error(errors[0]) from None
             raise errors[0]
-        for ids, stream in results:
-            started.prompt_ids.append(ids)
-            started.streams.append(stream)
+        started.prompt_ids.extend(results)
         return started
+
+    async def _finals(self, started: _Started, deadline: float | None) -> list[RequestOutput]:
+        """The final output of each stream, by the deadline."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(_gather_finals(started.streams),
+                                          None if deadline is None else max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"the request did not finish within {self.limits.request_timeout:g} s "
+                                      f"(--request-timeout); it was ended and its blocks freed") from None
+        finally:
+            self._abort(started)
+
+    async def _paced(self, items: AsyncIterator, deadline: float | None) -> AsyncIterator:
+        """`items` as they come, a None whenever sse_keepalive_s pass without one, and
+        RequestTimeoutError at the deadline."""
+        loop = asyncio.get_running_loop()
+        it = items.__aiter__()
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(it.__anext__())
+                wait = self.limits.sse_keepalive_s
+                if deadline is not None:
+                    wait = min(wait, deadline - loop.time())
+                done, _ = await asyncio.wait({pending}, timeout=max(0.0, wait))
+                if done:
+                    fut, pending = pending, None
+                    try:
+                        yield fut.result()
+                    except StopAsyncIteration:
+                        return
+                elif deadline is not None and loop.time() >= deadline:
+                    raise RequestTimeoutError(
+                        f"the request did not finish within {self.limits.request_timeout:g} s "
+                        f"(--request-timeout); it was ended and its blocks freed")
+                else:
+                    yield None
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    async def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if not texts:
+            return prompts
+        encoded = await self._off_loop(lambda: [self.tokenizer.encode(prompts[i]) if prompts[i] else []
+                                                for i in texts])
+        out = list(prompts)
+        for i, ids in zip(texts, encoded):
+            out[i] = ids
+        return out
 
     def _abort(self, started: _Started) -> None:
         for rid in started.request_ids:
@@ -134,21 +278,20 @@ class OpenAIServing:
 
     # -- completions ----------------------------------------------------------
     async def completions(self, req: CompletionRequest, salt: str | None = None):
+        deadline = self._deadline()
         prompts = normalize_prompts(req.prompt)
-        if req.logprobs is not None and req.logprobs > 20:
-            raise APIError(400, f"logprobs must be at most 20, got {req.logprobs}", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
+        self._check_n(req.n, req.best_of)
         prompt_lp = check_prompt_logprobs(req)
         if req.echo and req.logprobs is not None and (prompt_lp is None or prompt_lp < req.logprobs):
             prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
         params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
         cid = random_id("cmpl")
-        started = await self._start(cid, prompts, params, salt)
+        started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt)
         if req.stream:
-            return self._completion_stream(cid, req, started, params.n)
-        try:
-            finals = await _gather_finals(started.streams)
-        finally:
-            self._abort(started)
+            return self._completion_stream(cid, req, started, params.n, deadline)
+        finals = await self._finals(started, deadline)
         choices, completion_tokens = [], 0
         for pi, (out, ids) in enumerate(zip(finals, started.prompt_ids)):
             prefix = self._prompt_text(prompts[pi], ids) if req.echo else ""
@@ -171,12 +314,17 @@ class OpenAIServing:
                                   usage=usage(prompt_tokens, completion_tokens,
                                               sum(f.num_cached_tokens for f in finals)))
 
-    async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int):
+    async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int,
+                                 deadline: float | None):
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}
         try:
-            async for pi, out in _merge(started.streams):
+            async for item in self._paced(_merge(started.streams), deadline):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                pi, out = item
                 cached[pi] = out.num_cached_tokens
                 for c in out.outputs:
                     index = pi * n + c.index
@@ -212,7 +360,10 @@ class OpenAIServing:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
                 yield sse(CompletionResponse(id=cid, model=self.model_name, choices=[],
                                              usage=usage(prompt_tokens, completion_tokens, sum(cached.values()))))
-            yield "data: [DONE]\n\n"
+            yield DONE
+        except _ENGINE_ERRORS as e:
+            yield sse_error(api_error(e))
+            yield DONE
         finally:
             self._abort(started)
 
@@ -244,28 +395,21 @@ class OpenAIServing:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        deadline = self._deadline()
         prompt_lp = check_prompt_logprobs(req)
-        messages = [chat_message(m) for m in req.messages]
+        self._check_n(req.n)
+        messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        try:
-            prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt), add_special_tokens=False)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # a template that fails on this conversation (jinja error)
-            raise APIError(400, f"chat template failed: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, logprobs, prompt_lp)
+        prompt_ids = await self._off_loop(self._render_chat, messages, req.add_generation_prompt)
         cid = random_id("chatcmpl")
         started = await self._start(cid, [prompt_ids], params, salt)
         if req.stream:
-            return self._chat_stream(cid, req, started)
-        try:
-            (final,) = await _gather_finals(started.streams)
-        finally:
-            self._abort(started)
+            return self._chat_stream(cid, req, started, deadline)
+        (final,) = await self._finals(started, deadline)
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
                               if req.logprobs else None,
@@ -279,13 +423,29 @@ class OpenAIServing:
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
                                       prompt_logprobs=prompt_lps)
 
-    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or syntax
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except Exception:  # a template that breaks on this conversation's shape
+            raise APIError(400, "the model's chat template could not render these messages", param="messages") \
+                from None
+
+    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started, deadline: float | None):
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
         top_n = req.top_logprobs or 0
         cached = 0
         try:
-            async for _, out in _merge(started.streams):
+            async for item in self._paced(_merge(started.streams), deadline):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                out = item[1]
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     p = progress.setdefault(c.index, _Progress())
@@ -313,7 +473,10 @@ class OpenAIServing:
                 prompt_tokens = len(started.prompt_ids[0])
                 yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[],
                                               usage=usage(prompt_tokens, completion_tokens, cached)))
-            yield "data: [DONE]\n\n"
+            yield DONE
+        except _ENGINE_ERRORS as e:
+            yield sse_error(api_error(e))
+            yield DONE
         finally:
             self._abort(started)
 
@@ -347,15 +510,19 @@ def normalize_prompts(prompt) -> list:
     raise APIError(400, "prompt must not be empty", param="prompt")
 
 
-def chat_message(m) -> dict:
+def chat_message(m, index: int = 0) -> dict:
     content = m.content
     if isinstance(content, list):  # content parts: keep the text ones
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
+            where = f"messages[{index}].content[{j}]"
             if part.get("type") != "text":
-                raise APIError(400, f"unsupported content part type {part.get('type')!r}; only text is supported",
-                               param="messages")
-            texts.append(part.get("text", ""))
+                raise APIError(400, f"{where}: unsupported content part type {part.get('type')!r}; only text "
+                                    f"is supported", param="messages")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise APIError(400, f"{where}.text must be a string, got {type(text).__name__}", param="messages")
+            texts.append(text)
         content = "".join(texts)
     out = m.model_dump(exclude_none=True)
     out["content"] = content or ""
