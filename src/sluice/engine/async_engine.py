@@ -48,6 +48,14 @@ class RequestFailedError(RuntimeError):
     """This request was ended by a failure inside the engine; the engine goes on."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request passed its deadline; it was aborted."""
+
+
+_KEEPALIVE = object()   # a stream's timer tick: nothing came for keepalive_s
+_DEADLINE = object()    # its deadline passed
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -55,6 +63,31 @@ class _Stream:
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Timers:
+    """A stream's deadline and keep-alive ticks, as loop timers that drop sentinels into
+    its queue: nothing per output, one callback per keepalive_s of silence."""
+
+    def __init__(self, q: asyncio.Queue, deadline: float | None, keepalive_s: float | None):
+        loop = asyncio.get_running_loop()
+        self.q, self.keepalive_s, self.items = q, keepalive_s, 0
+        self.handles = []
+        if deadline is not None:
+            self.handles.append(loop.call_at(deadline, q.put_nowait, _DEADLINE))
+        if keepalive_s is not None:
+            self.seen = 0
+            self.handles.append(loop.call_later(keepalive_s, self._tick))
+
+    def _tick(self) -> None:
+        if self.items == self.seen:
+            self.q.put_nowait(_KEEPALIVE)
+        self.seen = self.items
+        self.handles.append(asyncio.get_running_loop().call_later(self.keepalive_s, self._tick))
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
 
 
 class AsyncEngine:
@@ -128,10 +161,14 @@ class AsyncEngine:
         return await done
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               cache_salt: str | None = None) -> tuple[asyncio.Future, AsyncIterator[RequestOutput]]:
+               cache_salt: str | None = None, deadline: float | None = None,
+               keepalive_s: float | None = None) -> tuple[asyncio.Future, AsyncIterator[RequestOutput | None]]:
         """Send a request to the engine thread now (no await: an admission check just
         before it sees it counted). Returns a future of its prompt token ids (it raises
-        the engine's ValueError if the request can never run) and its output stream."""
+        the engine's ValueError if the request can never run) and its output stream.
+        At `deadline` (event-loop time) the stream raises RequestTimeoutError and the
+        request is aborted; with `keepalive_s`, the stream yields None after every
+        keepalive_s without an output."""
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -142,7 +179,7 @@ class AsyncEngine:
                 raise ShuttingDownError("the server is shutting down")
             self._unqueued += params.n
             self._send(("add", request_id, prompt, params, cache_salt, stream, added))
-        return added, self._iterate(request_id, stream)
+        return added, self._iterate(request_id, stream, deadline, keepalive_s)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_salt: str | None = None) -> tuple[list[int], AsyncIterator[RequestOutput]]:
@@ -156,11 +193,20 @@ class AsyncEngine:
             raise
         return prompt_ids, stream
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, request_id: str, stream: _Stream, deadline: float | None = None,
+                       keepalive_s: float | None = None) -> AsyncIterator[RequestOutput | None]:
         finished = False
+        timers = _Timers(stream.queue, deadline, keepalive_s)
         try:
             while True:
                 item = await stream.queue.get()
+                if item is _KEEPALIVE:
+                    yield None
+                    continue
+                timers.items += 1
+                if item is _DEADLINE:
+                    raise RequestTimeoutError("the request did not finish by its deadline (--request-timeout); "
+                                              "it was ended and its blocks freed")
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already let it go
                     raise item
@@ -171,7 +217,9 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            # The consumer went away (client disconnect, cancellation): stop the request.
+            timers.cancel()
+            # The consumer went away (client disconnect, cancellation) or the deadline
+            # passed: stop the request.
             if not finished:
                 self.abort(request_id)
 

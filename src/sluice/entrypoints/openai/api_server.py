@@ -25,11 +25,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sluice
-from sluice.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ShuttingDownError
+from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
+                                        ShuttingDownError)
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                  ModelList)
-from sluice.entrypoints.openai.serving import OpenAIServing, RequestTimeoutError, ServingLimits, api_error
+from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from typing import AsyncIterator
 
 import jinja2
 
-from sluice.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ShuttingDownError
+from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
+                                        ShuttingDownError)
 from sluice.entrypoints.openai.errors import APIError, error_payload, from_value_error
 from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -46,10 +47,6 @@ class ServingLimits:
     # Seconds of silence after which a stream gets an SSE comment (proxies and clients
     # that time out idle connections would otherwise drop a queued stream).
     sse_keepalive_s: float = 15.0
-
-
-class RequestTimeoutError(RuntimeError):
-    pass
 
 
 def api_error(e: BaseException) -> APIError | None:
@@ -194,7 +191,7 @@ class OpenAIServing:
                            code="overloaded", headers={"Retry-After": "1"})
 
     async def _start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                     salt: str | None) -> _Started:
+                     salt: str | None, deadline: float | None, stream: bool) -> _Started:
         # All prompts are handed to the engine at once (it takes commands between steps,
         # so adding them one after another would cost a step each).
         self._admit(len(prompts) * params.n)
@@ -203,9 +200,10 @@ class OpenAIServing:
         futures = []
         try:
             for rid, p in zip(rids, prompts):
-                added, stream = self.engine.submit(rid, p, params, cache_salt=salt)
+                added, outputs = self.engine.submit(rid, p, params, cache_salt=salt, deadline=deadline,
+                                                    keepalive_s=self.limits.sse_keepalive_s if stream else None)
                 futures.append(added)
-                started.streams.append(stream)
+                started.streams.append(outputs)
             results = await asyncio.gather(*futures, return_exceptions=True)
         except BaseException:
             self._abort(started)
@@ -219,47 +217,11 @@ class OpenAIServing:
         started.prompt_ids.extend(results)
         return started
 
-    async def _finals(self, started: _Started, deadline: float | None) -> list[RequestOutput]:
-        """The final output of each stream, by the deadline."""
-        loop = asyncio.get_running_loop()
+    async def _finals(self, started: _Started) -> list[RequestOutput]:
         try:
-            return await asyncio.wait_for(_gather_finals(started.streams),
-                                          None if deadline is None else max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"the request did not finish within {self.limits.request_timeout:g} s "
-                                      f"(--request-timeout); it was ended and its blocks freed") from None
+            return await _gather_finals(started.streams)
         finally:
             self._abort(started)
-
-    async def _paced(self, items: AsyncIterator, deadline: float | None) -> AsyncIterator:
-        """`items` as they come, a None whenever sse_keepalive_s pass without one, and
-        RequestTimeoutError at the deadline."""
-        loop = asyncio.get_running_loop()
-        it = items.__aiter__()
-        pending: asyncio.Future | None = None
-        try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(it.__anext__())
-                wait = self.limits.sse_keepalive_s
-                if deadline is not None:
-                    wait = min(wait, deadline - loop.time())
-                done, _ = await asyncio.wait({pending}, timeout=max(0.0, wait))
-                if done:
-                    fut, pending = pending, None
-                    try:
-                        yield fut.result()
-                    except StopAsyncIteration:
-                        return
-                elif deadline is not None and loop.time() >= deadline:
-                    raise RequestTimeoutError(
-                        f"the request did not finish within {self.limits.request_timeout:g} s "
-                        f"(--request-timeout); it was ended and its blocks freed")
-                else:
-                    yield None
-        finally:
-            if pending is not None:
-                pending.cancel()
 
     async def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
@@ -288,10 +250,10 @@ class OpenAIServing:
             prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
         params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
         cid = random_id("cmpl")
-        started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt)
+        started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt, deadline, req.stream)
         if req.stream:
-            return self._completion_stream(cid, req, started, params.n, deadline)
-        finals = await self._finals(started, deadline)
+            return self._completion_stream(cid, req, started, params.n)
+        finals = await self._finals(started)
         choices, completion_tokens = [], 0
         for pi, (out, ids) in enumerate(zip(finals, started.prompt_ids)):
             prefix = self._prompt_text(prompts[pi], ids) if req.echo else ""
@@ -314,17 +276,15 @@ class OpenAIServing:
                                   usage=usage(prompt_tokens, completion_tokens,
                                               sum(f.num_cached_tokens for f in finals)))
 
-    async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int,
-                                 deadline: float | None):
+    async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int):
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}
         try:
-            async for item in self._paced(_merge(started.streams), deadline):
-                if item is None:
+            async for pi, out in _merge(started.streams):
+                if out is None:
                     yield KEEPALIVE
                     continue
-                pi, out = item
                 cached[pi] = out.num_cached_tokens
                 for c in out.outputs:
                     index = pi * n + c.index
@@ -406,10 +366,10 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, logprobs, prompt_lp)
         prompt_ids = await self._off_loop(self._render_chat, messages, req.add_generation_prompt)
         cid = random_id("chatcmpl")
-        started = await self._start(cid, [prompt_ids], params, salt)
+        started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream)
         if req.stream:
-            return self._chat_stream(cid, req, started, deadline)
-        (final,) = await self._finals(started, deadline)
+            return self._chat_stream(cid, req, started)
+        (final,) = await self._finals(started)
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
                               if req.logprobs else None,
@@ -435,17 +395,16 @@ class OpenAIServing:
             raise APIError(400, "the model's chat template could not render these messages", param="messages") \
                 from None
 
-    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started, deadline: float | None):
+    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
         top_n = req.top_logprobs or 0
         cached = 0
         try:
-            async for item in self._paced(_merge(started.streams), deadline):
-                if item is None:
+            async for _, out in _merge(started.streams):
+                if out is None:
                     yield KEEPALIVE
                     continue
-                out = item[1]
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     p = progress.setdefault(c.index, _Progress())
@@ -533,7 +492,7 @@ async def _gather_finals(streams) -> list[RequestOutput]:
     async def last(stream):
         final = None
         async for out in stream:
-            final = out
+            final = out if out is not None else final
         return final
     return list(await asyncio.gather(*(last(s) for s in streams)))
 
