@@ -9,6 +9,11 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+def _delta(count: int, seen: int) -> int:
+    """New events of a count last seen at `seen` (all of it if the count restarted)."""
+    return count - seen if count >= seen else count
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
@@ -55,12 +60,12 @@ class Metrics:
         self.kv_usage.labels(m).set(kv.usage())
         self.kv_blocks_used.labels(m).set(kv.num_blocks - kv.num_free_blocks)
         self.kv_blocks_total.labels(m).set(kv.num_blocks)
-        if sched.num_preemptions > self._preemptions_seen:
-            self.preemptions.labels(m).inc(sched.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = sched.num_preemptions
-        self.prefix_queries.labels(m).inc(kv.query_tokens - self._queries_seen)
-        self.prefix_hits.labels(m).inc(kv.hit_tokens - self._hits_seen)
-        self._queries_seen, self._hits_seen = kv.query_tokens, kv.hit_tokens
+        # The engine's own counts restart from 0 if it is reset after a failure.
+        self.preemptions.labels(m).inc(_delta(sched.num_preemptions, self._preemptions_seen))
+        self.prefix_queries.labels(m).inc(_delta(kv.query_tokens, self._queries_seen))
+        self.prefix_hits.labels(m).inc(_delta(kv.hit_tokens, self._hits_seen))
+        self._preemptions_seen, self._queries_seen, self._hits_seen = (
+            sched.num_preemptions, kv.query_tokens, kv.hit_tokens)
         self.prefix_hit_rate.labels(m).set(kv.hit_tokens / kv.query_tokens if kv.query_tokens else 0.0)
         self.cached_blocks.labels(m).set(kv.num_cached_blocks)
         self.steps.labels(m).inc()

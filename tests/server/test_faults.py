@@ -377,7 +377,9 @@ def test_a_dying_loop_fails_requests_in_flight_and_resets(tiny_checkpoint):
         assert data[-1] == "[DONE]" and data[-2]["error"]["code"] == "engine_error"
         assert "reset" in data[-2]["error"]["message"]
         assert aengine.num_resets == 1 and not aengine.dead
+        steps = metric_value(srv.url, "sluice_engine_steps_total")
         assert_serving(srv.url, aengine.engine)
+        assert metric_value(srv.url, "sluice_engine_steps_total") > steps  # metrics survive the reset
 
 
 def test_repeated_loop_deaths_mark_the_engine_dead_and_call_on_dead(tiny_checkpoint, monkeypatch):

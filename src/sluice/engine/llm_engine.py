@@ -185,17 +185,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.outputs.has_pending()
 
-    def reset(self) -> list[str]:
+    def reset(self) -> None:
         """Forget every request and cached block, keeping the model and the KV tensors:
         the state a fresh engine starts from, in milliseconds. For recovery after a failure
-        that may have left the queues inconsistent; returns the ids of the requests dropped
-        (their streams must be ended by the caller)."""
-        dropped = list(self.outputs.parents)
+        that may have left the queues inconsistent (the caller ends the dropped requests'
+        streams)."""
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.cache.block_size,
                                  enable_caching=self.config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
-        return dropped
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

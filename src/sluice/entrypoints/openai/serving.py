@@ -386,7 +386,6 @@ class OpenAIServing:
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-            return self.tokenizer.encode(text, add_special_tokens=False)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or syntax
@@ -394,6 +393,7 @@ class OpenAIServing:
         except Exception:  # a template that breaks on this conversation's shape
             raise APIError(400, "the model's chat template could not render these messages", param="messages") \
                 from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
         progress: dict[int, _Progress] = {}
