@@ -132,15 +132,16 @@ class EngineConfig:
                              f"kernels have no other build yet); got device={m.device!r}, dtype={m.dtype!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
-        # Modes that only run in bfloat16 on the CPU, and modes this CPU cannot run: refused
+        # Modes this CPU cannot run, and modes that only run in bfloat16 on the CPU: refused
         # here, before any kernel is built or weight loaded.
-        dtype = resolve_dtype(m.dtype, m.device)
-        on_cpu_bf16 = m.device.startswith("cpu") and dtype == torch.bfloat16
-        if m.quantization is not None and not on_cpu_bf16:
-            raise ValueError(f"quantization={m.quantization!r} needs dtype bfloat16 on the CPU; got "
-                             f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}")
-        if c.kv_cache_dtype == "int8" and not on_cpu_bf16:
-            raise ValueError(f"kv_cache_dtype='int8' needs dtype bfloat16 on the CPU; got "
-                             f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}")
         from sluice.backends.platform import check_modes
         check_modes(m.device, m.quantization, c.kv_cache_dtype, m.deterministic)
+        dtype = resolve_dtype(m.dtype, m.device)
+        if dtype != torch.bfloat16 or not m.device.startswith("cpu"):
+            got = f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}"
+            if m.dtype == "auto":
+                got += " (what dtype='auto' picks here; ask for dtype='bfloat16')"
+            for mode, on in ((f"quantization={m.quantization!r}", m.quantization is not None),
+                             ("kv_cache_dtype='int8'", c.kv_cache_dtype == "int8")):
+                if on:
+                    raise ValueError(f"{mode} needs dtype bfloat16 on the CPU; got {got}")

@@ -283,7 +283,7 @@ class AsyncEngine:
                     return
         # Shutting down: end every open stream, and free its blocks.
         self._end_requests(ShuttingDownError("the server is shutting down"))
-        self._fail_pending_adds(ShuttingDownError("the server is shutting down"))
+        self._drain_commands(refuse=ShuttingDownError("the server is shutting down"))
 
     def _loop(self) -> None:
         engine = self.engine
@@ -325,30 +325,18 @@ class AsyncEngine:
             stream.put(error)
         self._streams.clear()
 
-    def _fail_pending_adds(self, error: BaseException) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, _, _, params, _, stream, added = cmd
-                with self._lock:
-                    self._unqueued -= params.n
-                stream.loop.call_soon_threadsafe(_set_exception, added, error)
-            elif cmd[0] == "reset":
-                cmd[1].call_soon_threadsafe(_set_exception, cmd[2], error)
-
     def _die(self, error: BaseException) -> None:
         with self._lock:
             self._dead = error
         logger.error("the engine is dead (%s: %s)", type(error).__name__, error)
         self._end_streams(EngineDeadError("the engine stopped; the server is restarting"))
-        self._fail_pending_adds(EngineDeadError("the engine stopped; the server is restarting"))
+        self._drain_commands(refuse=EngineDeadError("the engine stopped; the server is restarting"))
         if self.on_dead is not None:
             self.on_dead(error)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, refuse: BaseException | None = None) -> None:
+        """Run the queued commands; with `refuse`, fail every add and reset with it instead
+        (the engine is stopping), so that no caller waits forever."""
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -357,6 +345,8 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt, params, salt, stream, added = cmd
                 try:
+                    if refuse is not None:
+                        raise refuse
                     ids = self.engine.add_request(rid, prompt, params, cache_salt=salt)
                 except Exception as e:  # ValueError for bad input; reported, never fatal
                     stream.loop.call_soon_threadsafe(_set_exception, added, e)
@@ -368,8 +358,11 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(_set_result, added, ids)
             elif cmd[0] == "reset":
                 _, loop, done = cmd
-                loop.call_soon_threadsafe(_set_result, done, self.engine.reset_prefix_cache())
-            elif cmd[0] == "abort":
+                if refuse is not None:
+                    loop.call_soon_threadsafe(_set_exception, done, refuse)
+                else:
+                    loop.call_soon_threadsafe(_set_result, done, self.engine.reset_prefix_cache())
+            elif cmd[0] == "abort" and refuse is None:
                 rid = cmd[1]
                 if rid in self._streams:
                     self.engine.abort(rid)
