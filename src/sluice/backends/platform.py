@@ -37,10 +37,6 @@ class CpuInfo:
     def avx512_bf16(self) -> bool:
         return "avx512_bf16" in self.flags
 
-    @property
-    def avx512_vnni(self) -> bool:
-        return "avx512_vnni" in self.flags
-
     def describe(self) -> str:
         shown = [f for f in ("avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma") if f in self.flags]
         return f"{self.model_name or 'this CPU'} ({', '.join(shown) or 'no AVX2'})"

@@ -139,14 +139,6 @@ class AsyncEngine:
         return self._dead is None and not self._draining
 
     @property
-    def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self.engine.scheduler.num_running
-
-    @property
     def num_waiting_seqs(self) -> int:
         """Sequences waiting for a seat: queued in the scheduler, plus those sent to the
         engine thread that it has not queued yet (so back-to-back admissions count each
@@ -180,18 +172,6 @@ class AsyncEngine:
             self._unqueued += params.n
             self._send(("add", request_id, prompt, params, cache_salt, stream, added))
         return added, self._iterate(request_id, stream, deadline, keepalive_s)
-
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          cache_salt: str | None = None) -> tuple[list[int], AsyncIterator[RequestOutput]]:
-        """Queue a request; returns its prompt token ids and its output stream.
-        Raises ValueError (from the engine) if the request can never run."""
-        added, stream = self.submit(request_id, prompt, params, cache_salt)
-        try:
-            prompt_ids = await added
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the caller left before its stream existed
-            raise
-        return prompt_ids, stream
 
     async def _iterate(self, request_id: str, stream: _Stream, deadline: float | None = None,
                        keepalive_s: float | None = None) -> AsyncIterator[RequestOutput | None]:
