@@ -2,11 +2,11 @@
 # Serving benchmark: start `sluice serve` on the default model (bf16), drive it with
 # `sluice bench serve` at concurrency 1, 8 and 32, then stop it.
 #   bash benchmarks/serve.sh [extra sluice serve flags]
-#   OUT=benchmarks/results/serve_int8 PLOT=/tmp/x.png CONC=1 REQS=16 bash benchmarks/serve.sh --quantization int8
+#   OUT=benchmarks/results/serve/int8 PLOT=/tmp/x.png CONC=1 REQS=16 bash benchmarks/serve.sh --quantization int8
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8123}
-OUT=${OUT:-benchmarks/results/serve}
+OUT=${OUT:-benchmarks/results/serve/bf16}
 PLOT=${PLOT:-docs/img/serve.png}
 CONC=${CONC:-1,8,32}
 REQS=${REQS:-16,64,64}

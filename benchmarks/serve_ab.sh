@@ -3,7 +3,7 @@
 # out in a temporary worktree, its kernels built in their own extensions folder) and the
 # working tree. Each run starts its own server, drives it with `sluice bench serve` (64
 # requests, ~210-token prompts, 128 output tokens) and stops it.
-#   BASE=93da0d7 PAIRS=6 OUT=benchmarks/results/asm_session9 bash benchmarks/serve_ab.sh \
+#   BASE=93da0d7 PAIRS=6 OUT=benchmarks/results/serve_c32/w8a8_kv8/ab1 bash benchmarks/serve_ab.sh \
 #       --quantization w8a8 --kv-cache-dtype int8
 set -euo pipefail
 cd "$(dirname "$0")/.."
