@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := $(PY) -m pip
 STAMP   := .venv/.installed
 
-.PHONY: serve chat test test-avx2 bench install clean
+.PHONY: serve chat test bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -25,11 +25,6 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
-
-# The suite as on an AVX2-only CPU (a Zen 3), on any AVX-512 machine: torch's own ISA
-# ceiling and oneDNN's, which sluice's kernel build follows (backends/platform.py).
-test-avx2: $(STAMP)
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -1,7 +1,7 @@
 """Timings of the C++ kernels alone, at the default model's shapes (SmolLM2-135M: hidden
 576, 9 heads / 3 kv heads of 64, MLP 1,536, vocabulary 49,152), on random weights.
 
-    python benchmarks/kernels.py [--attention-only]
+    python benchmarks/kernels.py [--attention-only] [--isa avx512|avx2]
 
 Linear: the 120 linear layers of a forward pass with 30 distinct sets of weights (so that
 they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activations too), and the LM head, by rows.
@@ -36,8 +36,10 @@ def main() -> None:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention-only", action="store_true", help="skip the linear layers")
+    ap.add_argument("--isa", default=None, choices=list(kernels.VARIANTS),
+                    help="kernel build to time (default: the best this CPU runs)")
     args = ap.parse_args()
-    k = kernels.load()
+    k = kernels.load(args.isa)
     if k is None or not hasattr(k, "bi_linear"):
         raise SystemExit("the C++ kernels are not available on this machine")
     torch.manual_seed(0)

@@ -14,31 +14,50 @@ from sluice.models.loader import resolve_model
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # What a test may need from this machine, checked in one place: mark it
-# `@pytest.mark.requires("avx512_vnni")` and it skips, saying why, where that is missing.
-# (`make test-avx2` runs the suite as on an AVX2-only CPU: see backends/platform.py.)
+# `@pytest.mark.requires("kernels")` and it skips, saying why, where that is missing.
 FEATURES = {
-    "kernels": "our C++ kernels",
-    "avx512f": "our AVX-512 kernels (argmax, the vector attention paths)",
-    "avx512_bf16": "our AVX-512 BF16 kernels (bf16 linear layers, deterministic mode)",
-    "avx512_vnni": "our AVX-512 VNNI kernels (w8a8, the int8 KV cache, the greedy LM head)",
+    "kernels": "sluice's C++ kernels (an AVX2 or AVX-512 CPU and a compiler)",
 }
+
+# Every build of the kernels this CPU executes ("avx512" and "avx2" on a Zen 4, "avx2" on a
+# Zen 3): tests that take the `kernel_isa` or `isa_kernels` fixture run once per build.
+from sluice.backends.platform import cpu  # noqa: E402
+
+KERNEL_ISAS = [isa for isa in cpu().isas if isa != "generic"]
 
 
 def missing_feature(feature: str) -> str | None:
     """Why `feature` is unavailable here, or None when it is available."""
-    from sluice.backends.platform import cpu
     from sluice.worker import kernels
     if feature not in FEATURES:
         raise ValueError(f"unknown feature {feature!r} in a requires marker; known: {', '.join(FEATURES)}")
-    info = cpu()
-    if feature != "kernels" and feature not in info.flags:
-        return f"needs {FEATURES[feature]}: {info.describe()} lacks {feature}"
-    mod = kernels.load()
-    if mod is None:
-        return f"needs {FEATURES[feature]}, but the C++ kernels did not build here (see the log)"
-    built = {"kernels": True, "avx512f": True, "avx512_bf16": getattr(mod, "has_batch_invariant", False),
-             "avx512_vnni": getattr(mod, "has_w8a8", False)}
-    return None if built[feature] else f"needs {FEATURES[feature]}, which this kernel build lacks"
+    if not KERNEL_ISAS:
+        return f"needs {FEATURES[feature]}: {cpu().describe()} has no AVX2"
+    if kernels.load() is None:
+        return f"needs {FEATURES[feature]}, but they did not build here (see the log)"
+    return None
+
+
+@pytest.fixture(scope="session", params=KERNEL_ISAS or [
+    pytest.param(None, marks=pytest.mark.skip(reason=f"{cpu().describe()} runs no build of the kernels"))])
+def kernel_isa(request) -> str:
+    """Each kernel build this CPU executes, in turn."""
+    from sluice.worker import kernels
+    if kernels.load(request.param) is None:
+        pytest.skip(f"the {request.param} kernels did not build here (see the log)")
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def isa_kernels(kernel_isa):
+    """The kernel module of each build this CPU executes, in turn."""
+    from sluice.worker import kernels
+    return kernels.load(kernel_isa)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kernel-isa", choices=KERNEL_ISAS or None, default=None,
+                     help="run the per-build kernel tests for this build only (default: every build this CPU runs)")
 
 
 def pytest_configure(config):
@@ -47,6 +66,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    only = config.getoption("--kernel-isa")
+    if only:
+        keep = [i for i in items if getattr(i, "callspec", None) is None
+                or i.callspec.params.get("kernel_isa", only) == only]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     for item in items:
         for mark in item.iter_markers("requires"):
             reasons = [r for r in map(missing_feature, mark.args) if r]

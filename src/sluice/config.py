@@ -12,8 +12,9 @@ import torch
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
-    """'auto' picks bfloat16 where the hardware computes it natively, else float32."""
+def resolve_dtype(dtype: str | torch.dtype, device: str, cpu_isa: str = "auto") -> torch.dtype:
+    """'auto' picks bfloat16 where sluice's kernels or the hardware compute it (backends.
+    select.auto_dtype), else float32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -22,10 +23,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     if dtype == "auto":
-        if device.startswith("cuda"):
-            return torch.bfloat16
-        from sluice.backends.platform import cpu
-        return torch.bfloat16 if cpu().avx512_bf16 else torch.float32
+        from sluice.backends.select import auto_dtype, check
+        return auto_dtype(device, check(device, cpu_isa, None, "auto", False))
     if dtype not in names:
         raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     return names[dtype]
@@ -50,6 +49,10 @@ class ModelConfig:
     # Batch-invariant kernels: a request's tokens and logprobs are bitwise the same
     # whatever shares its batch (docs/determinism.md).
     deterministic: bool = False
+    # Which build of sluice's CPU kernels runs: "auto" (the best this CPU executes),
+    # "avx512", "avx2" (forces the AVX2 build, e.g. to test it on an AVX-512 machine) or
+    # "generic" (none: torch's own ops). backends/platform.py.
+    cpu_isa: str = "auto"
 
 
 @dataclass
@@ -133,10 +136,10 @@ class EngineConfig:
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
         # Modes this CPU cannot run, and modes that only run in bfloat16 on the CPU: refused
-        # here, before any kernel is built or weight loaded.
-        from sluice.backends.platform import check_modes
-        check_modes(m.device, m.quantization, c.kv_cache_dtype, m.deterministic)
-        dtype = resolve_dtype(m.dtype, m.device)
+        # here, before any kernel is built or weight loaded (backends/select.py).
+        from sluice.backends.select import auto_dtype, check
+        isa = check(m.device, m.cpu_isa, m.quantization, c.kv_cache_dtype, m.deterministic)
+        dtype = resolve_dtype(m.dtype, m.device) if m.dtype != "auto" else auto_dtype(m.device, isa)
         if dtype != torch.bfloat16 or not m.device.startswith("cpu"):
             got = f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}"
             if m.dtype == "auto":

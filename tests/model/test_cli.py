@@ -9,7 +9,7 @@ import pytest
 
 
 @pytest.mark.parametrize("flags", [[], pytest.param(["--kv-cache-dtype", "int8"],
-                                                     marks=pytest.mark.requires("avx512_vnni"))])
+                                                     marks=pytest.mark.requires("kernels"))])
 def test_generate_on_default_model_answers_paris(flags):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "sluice.entrypoints.cli", "generate", "What is the capital of France?",

@@ -6,7 +6,6 @@ import pytest
 
 from sluice import LLM, SamplingParams
 
-pytestmark = pytest.mark.requires("avx512_bf16")
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
            "def fibonacci(n):"]
@@ -32,9 +31,9 @@ def run(llm: LLM, params: SamplingParams):
     ("llama", None, False), ("qwen2", None, False), ("llama", "int8", False), ("llama3-rope", None, True),
     ("llama-4layers", "w8a8", False),
 ])
-def test_stack_matches_python_loop_bitwise(tiny_checkpoint, kind, quantization, deterministic):
+def test_stack_matches_python_loop_bitwise(tiny_checkpoint, kind, quantization, deterministic, kernel_isa):
     llm = LLM(model=str(tiny_checkpoint(kind)), dtype="bfloat16", num_blocks=64, quantization=quantization,
-              deterministic=deterministic, max_num_batched_tokens=16)
+              deterministic=deterministic, max_num_batched_tokens=16, cpu_isa=kernel_isa)
     model = llm.engine.runner.model
     assert model._stack is not None
     counter = model._stack = CountingStack(model._stack)

@@ -285,12 +285,11 @@ def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
         LLM(quantization="int4", kv_cache_memory=0.1)
 
 
-@pytest.mark.requires("avx512_vnni")
-def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source):
+def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, kernel_isa):
     """int8 weights times int8 activations in the decoder layers; the LM head and the first
     and last layers keep bf16 activations (int8 ones there cost the most accuracy). (Its
     refusal on CPUs without AVX-512 VNNI: tests/unit/test_platform.py.)"""
-    llm = LLM(dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
+    llm = LLM(cpu_isa=kernel_isa, dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in out
@@ -300,7 +299,7 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source):
     assert layers[0].mlp.down_proj.kernel.w8a8 is None and layers[-1].self_attn.qkv_proj.kernel.w8a8 is None
     assert model._kernel_head.w8a8 is None
     with pytest.raises(ValueError, match="bfloat16"):
-        LLM(dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
+        LLM(cpu_isa=kernel_isa, dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
 
 
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -308,14 +307,13 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
                 "Translate 'good morning' to Spanish.", "What is 12 times 11?", "Name a famous painter."]
 
 
-@pytest.mark.requires("avx512_vnni")
-def test_int8_kv_cache_on_the_default_model(smollm2_source):
+def test_int8_kv_cache_on_the_default_model(smollm2_source, kernel_isa):
     """kv_cache_dtype='int8': ~1.9x the blocks in the same memory, greedy answers that
     track the bf16 cache's, nothing leaked; it needs bfloat16 and our kernels."""
     chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     outs, blocks = {}, {}
     for kv in ("auto", "int8"):
-        llm = LLM(dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=0.1)
+        llm = LLM(cpu_isa=kernel_isa, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=0.1)
         outs[kv] = [o.outputs[0].token_ids for o in llm.chat(chats, SamplingParams(temperature=0, max_tokens=32))]
         blocks[kv] = llm.engine.runner.num_blocks
         assert_all_blocks_free(llm)
@@ -328,16 +326,15 @@ def test_int8_kv_cache_on_the_default_model(smollm2_source):
     # Measured: 8, 32, 23, 32, 26, 9, 15, 32 tokens in common of 32.
     assert sum(agreeing(a, b) >= 8 for a, b in zip(outs["auto"], outs["int8"])) >= 6
     with pytest.raises(ValueError, match="bfloat16"):
-        LLM(dtype="float32", kv_cache_dtype="int8", kv_cache_memory=0.1)
+        LLM(cpu_isa=kernel_isa, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(kv_cache_dtype="fp8", kv_cache_memory=0.1)
+        LLM(cpu_isa=kernel_isa, kv_cache_dtype="fp8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="multiple of 16"):
-        LLM(kv_cache_dtype="int8", block_size=8, kv_cache_memory=0.1)
+        LLM(cpu_isa=kernel_isa, kv_cache_dtype="int8", block_size=8, kv_cache_memory=0.1)
 
 
-@pytest.mark.requires("avx512_vnni")
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_int8_kv_cache_chunking_and_preemption_keep_the_tokens(tiny_checkpoint, kind):
+def test_int8_kv_cache_chunking_and_preemption_keep_the_tokens(tiny_checkpoint, kind, kernel_isa):
     """Over an int8 cache a token's attention does not depend on how its prompt was
     chunked or whether its request was preempted and recomputed: the same greedy tokens
     with a 16-token step budget and with a cache too small for all requests. (Qwen3's
@@ -345,19 +342,19 @@ def test_int8_kv_cache_chunking_and_preemption_keep_the_tokens(tiny_checkpoint, 
     path = str(tiny_checkpoint(kind))
     prompts = prompts_of_lengths(None, [5, 17, 40, 63, 100, 9], seed=7)
     params = SamplingParams(max_tokens=30, **GREEDY)
-    ref_llm = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=256)
+    ref_llm = LLM(cpu_isa=kernel_isa, model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=256)
     assert ref_llm.engine.runner.kv_caches[0][0].dtype == torch.uint8
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params)]
-    chunked = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=256, max_num_batched_tokens=16)
+    chunked = LLM(cpu_isa=kernel_isa, model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=256,
+                  max_num_batched_tokens=16)
     assert [o.outputs[0].token_ids for o in chunked.generate(prompts, params)] == ref
-    small = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=10)
+    small = LLM(cpu_isa=kernel_isa, model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=10)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == ref
     for llm in (ref_llm, chunked, small):
         assert_all_blocks_free(llm)
 
 
-@pytest.mark.requires("avx512_vnni")
-def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint):
+def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint, kernel_isa):
     """Deterministic mode over an int8 cache: a request's tokens and logprobs are bitwise
     those of its solo run when it shares chunked steps with other requests."""
     path = str(tiny_checkpoint("llama"))
@@ -366,20 +363,20 @@ def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint):
 
     def sig(o):
         return o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in s.items()) for s in o.outputs[0].logprobs]
-    solo = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=128, deterministic=True)
+    solo = LLM(cpu_isa=kernel_isa, model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=128,
+               deterministic=True)
     alone = sig(solo.generate(prompts[:1], params)[0])
-    crowd = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=128, deterministic=True,
-                max_num_batched_tokens=16)
+    crowd = LLM(cpu_isa=kernel_isa, model=path, dtype="bfloat16", kv_cache_dtype="int8", num_blocks=128,
+                deterministic=True, max_num_batched_tokens=16)
     assert sig(crowd.generate(prompts, params)[0]) == alone
     assert_all_blocks_free(crowd)
 
 
-@pytest.mark.requires("avx512_vnni")
-def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint):
+def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint, kernel_isa):
     """bf16 with our kernels: greedy steps without logprobs take the LM head's argmax from
     int8 logits rescored exactly (models' greedy_tokens); the tokens are those of the full
     head, and steps that need the logits themselves (logprobs, sampling) still get them."""
-    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
+    llm = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
     model = llm.engine.runner.model
     assert model._greedy_head is not None
     calls = []
@@ -396,5 +393,6 @@ def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint):
     model._greedy_head = None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_fast
     assert_all_blocks_free(llm)
-    det = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=64, deterministic=True)
+    det = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=64,
+              deterministic=True)
     assert det.engine.runner.model._greedy_head is None

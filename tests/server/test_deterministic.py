@@ -11,7 +11,7 @@ from openai import OpenAI
 from tests.server.conftest import MODEL, RunningServer, start_engine, wait_all_blocks_free
 from sluice.entrypoints.openai.api_server import ServerConfig
 
-pytestmark = pytest.mark.requires("avx512_bf16")
+pytestmark = pytest.mark.requires("kernels")
 
 PROBE = "The quick brown fox jumps over the lazy dog and then"
 

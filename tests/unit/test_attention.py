@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.worker import kernels
 from sluice.worker.attention import AttentionMetadata, paged_attention
 
 
@@ -40,20 +39,25 @@ def dense_reference(q, k_cache, v_cache, meta, scale):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=pytest.mark.requires("kernels"))])
-def test_decode_attention_matches_dense(dtype, tol, use_kernel):
+def test_decode_attention_matches_dense(dtype, tol):
     q, kc, vc, meta = make_case(dtype)
-    if use_kernel:
-        meta.decode_kernel = kernels.load()
     got = paged_attention(q, kc, vc, meta, 0.125)
     ref = dense_reference(q, kc, vc, meta, 0.125)
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.requires("kernels")
-def test_kernel_handles_other_head_shapes():
-    """Group sizes and head dims off the AVX-512 fast path still give the right answer."""
-    mod = kernels.load()
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_kernel_matches_dense(dtype, tol, isa_kernels):
+    q, kc, vc, meta = make_case(dtype)
+    meta.decode_kernel = isa_kernels
+    got = paged_attention(q, kc, vc, meta, 0.125)
+    ref = dense_reference(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_kernel_handles_other_head_shapes(isa_kernels):
+    """Group sizes and head dims off the vector fast path still give the right answer."""
+    mod = isa_kernels
     for kv, group, d in [(2, 1, 32), (1, 4, 24), (4, 2, 128)]:
         q, kc, vc, meta = make_case(torch.float32, num_kv_heads=kv, group=group, head_dim=d, seed=kv + d)
         meta.decode_kernel = mod
@@ -61,15 +65,14 @@ def test_kernel_handles_other_head_shapes():
                                    dense_reference(q, kc, vc, meta, d ** -0.5), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.requires("kernels")
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_compiled_shapes_give_the_generic_paths_bits(group):
+def test_compiled_shapes_give_the_generic_paths_bits(group, isa_kernels):
     """float32, head_dim 64 runs a path compiled for the shape; zero-padding head_dim to 80
     sends the same numbers through the generic loops, whose extra terms are exact zeros:
     the outputs must agree bit for bit. (128 shares the template; its generic twin, 144, is
     past the vector path's 8 chunks, so it has no such check. bf16 caches of these shapes
     take the bf16 dot-product routine, checked against float32 below.)"""
-    mod = kernels.load()
+    mod = isa_kernels
     dtype = torch.float32
     for d, padded in [(64, 80)]:
         q, kc, vc, meta = make_case(dtype, num_kv_heads=2, group=group, head_dim=d, seed=group + d)
@@ -80,14 +83,13 @@ def test_compiled_shapes_give_the_generic_paths_bits(group):
         assert torch.equal(fixed, generic[..., :d]), (d, group)
 
 
-@pytest.mark.requires("avx512_bf16")
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 64), (2, 128), (5, 128)])
-def test_bf16_routine_is_as_close_to_float32_as_rounding_allows(group, head_dim):
+def test_bf16_routine_is_as_close_to_float32_as_rounding_allows(group, head_dim, isa_kernels):
     """A bf16 cache with head_dim 64/128 runs on bf16 dot products (probabilities rounded
     to bf16 for the weighted sum of V). Its error against float32 attention over the same
     numbers must stay within a few bf16 roundings of the output, close to what rounding the
     float32 kernel's own output costs, and prompt tokens must give a decode's bits."""
-    mod = kernels.load()
+    mod = isa_kernels
     q, kc, vc, meta = make_case(torch.bfloat16, num_kv_heads=2, group=group, head_dim=head_dim, seed=group)
     args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim ** -0.5)
     got = mod.paged_attention_varlen(q, kc, vc, *args).float()

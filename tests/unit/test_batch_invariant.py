@@ -5,15 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.worker import kernels
 
 
-pytestmark = pytest.mark.requires("avx512_bf16")
-
-
-@pytest.fixture(scope="module")
-def k():
-    return kernels.batch_invariant(torch.device("cpu"), torch.bfloat16)
+@pytest.fixture
+def k(isa_kernels):
+    """Each build of the kernels this CPU runs (conftest.KERNEL_ISAS)."""
+    return isa_kernels
 
 
 def row_slices(m: int):
@@ -70,7 +67,6 @@ def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=N
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.requires("avx512_vnni")
 @pytest.mark.parametrize("n,kdim,bias", [(200, 131, True), (48, 576, False), (576, 1536, False), (37, 7, True)])
 def test_w8a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
     """int8 x int8 (w8a8): activations quantized per block of 32 inside the kernel."""

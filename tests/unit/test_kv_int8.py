@@ -6,17 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.worker import kernels
 from sluice.worker.attention import (dense_from_int8_cache, int8_cache_from_dense, quantize_rows_int8,
                                      write_kv)
 
 
-pytestmark = pytest.mark.requires("avx512_vnni")
-
-
-@pytest.fixture(scope="module")
-def k():
-    return kernels.for_model(torch.device("cpu"), torch.bfloat16)
+@pytest.fixture
+def k(isa_kernels):
+    """Each build of the kernels this CPU runs (conftest.KERNEL_ISAS)."""
+    return isa_kernels
 
 
 def test_quantization_and_layout_round_trip():

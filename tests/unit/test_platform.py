@@ -1,6 +1,7 @@
-"""The machine's features and the modes they allow: a mode the CPU cannot run is refused
-in one line before anything loads, on whichever kind of machine the suite runs (the other
-kind's CPU is described here by hand), and kernel builds survive a killed build."""
+"""The machine's features, the kernel builds and modes they allow, and the backend plan: a
+mode that cannot run is refused in one line before anything loads, on whichever kind of
+machine the suite runs (other kinds' CPUs are described here by hand); kernel builds are
+cached by variant and content and survive a killed build."""
 from __future__ import annotations
 
 import logging
@@ -14,10 +15,13 @@ import torch
 from sluice.backends import platform
 from sluice.backends.platform import CpuInfo
 
-ZEN3 = CpuInfo("AMD EPYC 7B13 64-Core Processor", "avx2", frozenset({"avx2", "fma", "f16c"}), False)
-ZEN4 = CpuInfo("AMD EPYC 9B14 96-Core Processor", "avx512",
-               frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                          "avx512_vnni"}), True)
+V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
+ZEN3 = CpuInfo("AMD EPYC 7B13 64-Core Processor", V3, False)
+ZEN4 = CpuInfo("AMD EPYC 9B14 96-Core Processor",
+               V3 | {"avx512f", "avx512bw", "avx512cd", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}, True)
+ICELAKE = CpuInfo("Intel Xeon Platinum 8375C", V3 | {"avx512f", "avx512bw", "avx512cd", "avx512vl", "avx512dq",
+                                                     "avx512_vnni"}, True)   # AVX-512 without BF16
+OLD = CpuInfo("Intel Xeon E5-2670", frozenset(), False)                     # Sandy Bridge: AVX only
 
 
 @pytest.fixture
@@ -27,24 +31,37 @@ def as_cpu(monkeypatch):
     return use
 
 
-def test_this_machine_is_read_within_torchs_own_isa():
+def test_kernel_builds_each_cpu_runs():
+    assert ZEN4.isas == ("avx512", "avx2", "generic")
+    assert ZEN3.isas == ICELAKE.isas == ("avx2", "generic")
+    assert OLD.isas == ("generic",)
     info = platform.cpu()
-    cap = torch.backends.cpu.get_cpu_capability()
-    assert info.isa == {"AVX512": "avx512", "AVX2": "avx2"}.get(cap, "generic")
-    if info.isa != "avx512":
-        assert not any(f.startswith("avx512") for f in info.flags)
-        assert "-mno-avx512f" in info.kernel_build_flags()
-    assert info.describe()
+    assert info.isas[-1] == "generic" and info.describe()
+    assert ZEN4.resolve_isa("auto") == "avx512" and ZEN4.resolve_isa("avx2") == "avx2"
+    assert ZEN3.resolve_isa("generic") == "generic"
 
 
-@pytest.mark.parametrize("mode, kwargs, missing, instead", [
-    ("deterministic mode", dict(deterministic=True), "AVX-512 BF16", "the default (non-deterministic) mode"),
-    ("quantization='w8a8'", dict(quantization="w8a8"), "AVX-512 BF16 and AVX-512 VNNI", "quantization='int8'"),
-    ("kv_cache_dtype='int8'", dict(kv_cache_dtype="int8"), "AVX-512 BF16 and AVX-512 VNNI",
-     "kv_cache_dtype='auto'"),
+def test_a_build_the_cpu_cannot_run_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^cpu_isa='avx512' needs avx512f, .*avx512_vnni, which AMD EPYC 7B13 .* "
+                                         r"lacks; what runs here: avx2, generic$"):
+        ZEN3.resolve_isa("avx512")
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512, avx2, generic"):
+        ZEN4.resolve_isa("sse4")
+
+
+def test_variant_flags_name_the_target_not_the_build_machine():
+    from sluice.worker.kernels import VARIANTS
+    assert VARIANTS["avx512"][0] == "-march=x86-64-v4" and VARIANTS["avx2"][0] == "-march=x86-64-v3"
+    assert not any("native" in f for flags in VARIANTS.values() for f in flags)
+
+
+@pytest.mark.parametrize("mode, kwargs, instead", [
+    ("deterministic mode", dict(deterministic=True), "the default (non-deterministic) mode"),
+    ("quantization='w8a8'", dict(quantization="w8a8"), "quantization='int8', or none"),
+    ("kv_cache_dtype='int8'", dict(kv_cache_dtype="int8"), "kv_cache_dtype='auto'"),
 ])
-def test_avx2_cpu_refuses_avx512_modes_in_one_line_before_loading(as_cpu, monkeypatch, mode, kwargs, missing,
-                                                                   instead):
+def test_kernel_modes_without_kernels_are_refused_in_one_line_before_loading(as_cpu, monkeypatch, mode, kwargs,
+                                                                             instead):
     from sluice.engine import llm_engine
     from sluice.worker import kernels
 
@@ -52,38 +69,90 @@ def test_avx2_cpu_refuses_avx512_modes_in_one_line_before_loading(as_cpu, monkey
         raise AssertionError("the refusal came after loading began")
     monkeypatch.setattr(llm_engine, "resolve_model", must_not_run)
     monkeypatch.setattr(kernels, "load", must_not_run)
+    for info, isa, why in ((OLD, "auto", "Intel Xeon E5-2670 (no AVX2) has no AVX2"),
+                           (ZEN4, "generic", "cpu_isa='generic' runs torch's own ops")):
+        as_cpu(info)
+        with pytest.raises(ValueError) as e:
+            llm_engine.LLMEngine.from_kwargs(dtype="bfloat16", cpu_isa=isa, **kwargs)
+        msg = str(e.value)
+        assert "\n" not in msg and "Traceback" not in msg
+        assert msg == (f"{mode} needs sluice's C++ kernels (an AVX2 or AVX-512 CPU), and {why}; "
+                       f"what works here: {instead}")
+
+
+def test_a_failed_build_is_refused_for_kernel_modes_and_falls_back_otherwise(as_cpu, monkeypatch, caplog):
+    from sluice.backends.select import select
+    from sluice.config import EngineConfig
+    from sluice.worker import kernels
+    monkeypatch.setattr(kernels, "load", lambda isa=None: None)
     as_cpu(ZEN3)
-    with pytest.raises(ValueError) as e:
-        llm_engine.LLMEngine.from_kwargs(dtype="bfloat16", **kwargs)
-    msg = str(e.value)
-    assert "\n" not in msg and "Traceback" not in msg
-    assert msg.startswith(f"{mode} needs a CPU with {missing}, which AMD EPYC 7B13")
-    assert f"what works here: {instead}" in msg
+    cfg = EngineConfig.from_kwargs(deterministic=True)
+    with pytest.raises(ValueError, match=r"^deterministic mode needs sluice's C\+\+ kernels, which failed to build"):
+        select(cfg.model, cfg.cache)
+    cfg = EngineConfig.from_kwargs()
+    with caplog.at_level(logging.WARNING, logger="sluice.backends.select"):
+        plan = select(cfg.model, cfg.cache)
+    assert plan.isa == "generic" and plan.linear == "torch" and plan.dtype == torch.float32
+    assert "did not build" in caplog.text
 
 
-def test_avx512_cpu_accepts_those_modes(as_cpu):
-    as_cpu(ZEN4)
-    platform.check_modes("cpu", "w8a8", "int8", True)
+def test_every_mode_is_accepted_on_avx2(as_cpu):
+    from sluice.backends.select import check
     as_cpu(ZEN3)
-    platform.check_modes("cuda", "w8a8", "int8", True)  # not a CPU question
-    platform.check_modes("cpu", "int8", "auto", False)  # int8 weights run on torch's kernels
+    assert check("cpu", "auto", "w8a8", "int8", True) == "avx2"
+    assert check("cuda", "auto", "w8a8", "int8", True) == "generic"  # not a CPU question
+    as_cpu(OLD)
+    assert check("cpu", "auto", "int8", "auto", False) == "generic"  # int8 weights run on torch's kernels
 
 
-def test_dtype_auto_and_prepacking_follow_the_cpu(as_cpu):
+def test_dtype_auto_follows_the_kernels(as_cpu):
     from sluice.config import resolve_dtype
-    from sluice.models.linear import can_prepack
     as_cpu(ZEN3)
-    assert resolve_dtype("auto", "cpu") == torch.float32
-    # oneDNN cannot prepack bf16 weights without AVX-512 BW/VL/DQ (its error, raised at start,
-    # was the whole message a user saw): such layers keep F.linear.
-    assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16          # the AVX2 kernels run bf16
+    assert resolve_dtype("auto", "cpu", "generic") == torch.float32  # oneDNN has no bf16 there
     as_cpu(ZEN4)
-    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == resolve_dtype("auto", "cpu", "generic") == torch.bfloat16
+    as_cpu(OLD)
+    assert resolve_dtype("auto", "cpu") == torch.float32
 
 
-def test_kernel_flags_stay_within_the_isa():
-    assert ZEN3.kernel_build_flags() == ["-march=native", "-mno-avx512f"]
-    assert ZEN4.kernel_build_flags() == ["-march=native"]
+def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
+    """Two checkouts of the same sources share one build; a changed byte in any source or
+    header is another build; the variants never share one."""
+    import shutil
+    from sluice.worker import kernels
+    src = kernels._DIR
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    assert kernels.build_key("avx2", a) == kernels.build_key("avx2", b) == kernels.build_key("avx2", src)
+    assert kernels.build_key("avx2", a) != kernels.build_key("avx512", a)
+    (b / "avx2" / "avx512_on_avx2.h").write_text((b / "avx2" / "avx512_on_avx2.h").read_text() + "\n")
+    assert kernels.build_key("avx2", b) != kernels.build_key("avx2", a)
+    # Staging rewrites only what differs, so the build tool sees unchanged files as unchanged.
+    staged = kernels._stage(a, tmp_path / "staged")
+    before = {p: p.stat().st_mtime_ns for p in staged.rglob("*") if p.is_file()}
+    time.sleep(0.01)
+    kernels._stage(a, tmp_path / "staged")
+    assert before == {p: p.stat().st_mtime_ns for p in staged.rglob("*") if p.is_file()}
+    assert (staged / "avx2" / "avx512_on_avx2.h").exists() and (staged / "kernels.h").exists()
+
+
+@pytest.mark.requires("kernels")
+def test_the_plan_is_logged_in_one_line(tiny_checkpoint, caplog, kernel_isa):
+    from sluice.engine.llm_engine import LLMEngine
+    path = str(tiny_checkpoint("llama"))
+    with caplog.at_level(logging.INFO, logger="sluice.backends.select"):
+        e = LLMEngine.from_kwargs(model=path, num_blocks=32, cpu_isa=kernel_isa, quantization="w8a8",
+                                  kv_cache_dtype="int8")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend:")]
+    assert lines == [e.backend.line()]
+    assert lines[0] == (f"backend: cpu isa={kernel_isa} dtype=bfloat16 linear=kernels-w8a8 attention=kernels-varlen "
+                        "kv=int8 norm=kernels rope=kernels head=kernels-greedy-w8a8 deterministic=off")
+    f32 = LLMEngine.from_kwargs(model=path, num_blocks=32, cpu_isa=kernel_isa, dtype="float32")
+    assert f32.backend.line() == (f"backend: cpu isa={kernel_isa} dtype=float32 linear=torch "
+                                  "attention=kernels-decode+sdpa kv=float32 norm=torch rope=torch head=torch "
+                                  "deterministic=off")
 
 
 def test_stale_build_lock_is_broken_with_a_log_line(tmp_path, caplog):

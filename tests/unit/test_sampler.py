@@ -1,7 +1,6 @@
 """The batched sampler against simple per-row reference computations."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from sluice.sampling_params import SamplingParams
@@ -125,10 +124,8 @@ def test_logprobs_and_ranks():
     assert out.ranks.tolist() == [1]
 
 
-@pytest.mark.requires("avx512f")
-def test_kernel_argmax_matches_torch_argmax_ties_nan_and_inf_included():
-    from sluice.worker import kernels
-    k = kernels.load()
+def test_kernel_argmax_matches_torch_argmax_ties_nan_and_inf_included(isa_kernels):
+    k = isa_kernels
     g = torch.Generator().manual_seed(0)
     for rows, vocab in [(1, 49152), (33, 1000), (5, 17), (3, 3)]:
         x = torch.randn(rows, vocab, generator=g)
@@ -150,14 +147,12 @@ def test_kernel_argmax_matches_torch_argmax_ties_nan_and_inf_included():
                            theirs(logits.clone(), meta_for(params)).token_ids)
 
 
-@pytest.mark.requires("avx512_vnni")
-def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax():
+def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax(isa_kernels):
     """The LM head's greedy fast path: int8 x int8 logits pick 16 candidates per row, which
     are rescored with the bf16 head's own arithmetic; the answer is the bf16 head's argmax,
     even where int8 rounding ranked a different token first."""
     from sluice.models.linear import quantize_per_channel
-    from sluice.worker import kernels
-    k = kernels.load()
+    k = isa_kernels
     g = torch.Generator().manual_seed(0)
     vocab, hidden = 3000, 97  # odd K: the last pair is half padding
     w = (torch.randn(vocab, hidden, generator=g) * 0.05).bfloat16()

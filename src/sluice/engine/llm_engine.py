@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.config import EngineConfig, resolve_dtype
+from sluice.backends.select import select as select_backend
+from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
@@ -23,7 +24,6 @@ from sluice.outputs import RequestOutput
 from sluice.request import Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.tokenizer import Tokenizer
-from sluice.worker import kernels
 from sluice.worker.model_runner import ModelRunner, RunnerTimings
 
 logger = logging.getLogger(__name__)
@@ -59,17 +59,12 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.device = torch.device(mc.device)
-        self.dtype = resolve_dtype(mc.dtype, mc.device)
         t0 = time.perf_counter()
-        # Kernels before weights: a mode whose kernels failed to build is refused at once.
-        if mc.deterministic:
-            model_kernels = kernels.batch_invariant(self.device, self.dtype)
-        else:
-            model_kernels = kernels.for_model(self.device, self.dtype)
-        if mc.quantization == "w8a8":
-            kernels.require_w8a8(model_kernels)
-        if config.cache.kv_cache_dtype == "int8":
-            kernels.require_int8_kv(model_kernels)
+        # Which implementation runs each op, decided once and logged in one line; kernels
+        # are built (first start) and any mode that cannot run refused before weights load.
+        self.backend = select_backend(mc, config.cache)
+        self.dtype = self.backend.dtype
+        model_kernels = self.backend.model_kernels
         src = resolve_model(mc.model)
         hf_config = load_hf_config(src)
         with torch.device(self.device):
@@ -81,11 +76,11 @@ class LLMEngine:
         model.eval()
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        model.optimize_for(self.device, self.dtype, mc.quantization, model_kernels, mc.deterministic,
-                           self.max_model_len)
+        model.optimize_for(self.backend, mc.quantization, self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
+                                  kernels=self.backend.kernels,
                                   batch_invariant_kernels=model_kernels if mc.deterministic else None,
                                   flat_prefill=model_kernels is not None)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,

@@ -16,11 +16,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model alias, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and KV cache dtype; auto = bfloat16 where the CPU has avx512_bf16")
+                   help="weights and KV cache dtype; auto = bfloat16 where sluice's kernels run "
+                        "(AVX2 or AVX-512 CPUs), else float32")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     g.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
                    help="int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
-                        "w8a8: the same weights times int8-quantized activations (AVX-512 VNNI), faster "
+                        "w8a8: the same weights times int8-quantized activations (sluice's kernels), faster "
                         "batches and prompts (docs/benchmarks.md has the quality cost of each)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
@@ -28,13 +29,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="auto: K and V in the model's dtype; int8: 8-bit K and V with a scale per token "
-                        "(~1.9x the tokens per GiB, faster decode attention; bfloat16 on an AVX-512 VNNI CPU; "
+                        "(~1.9x the tokens per GiB, faster decode attention; bfloat16, sluice's kernels; "
                         "docs/benchmarks.md has its quality cost)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default 256 on a CPU, 2048 on a GPU)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse cached KV blocks of repeated prompt prefixes")
+    g.add_argument("--cpu-isa", default="auto", choices=["auto", "avx512", "avx2", "generic"],
+                   help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx2 forces "
+                        "the AVX2 build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
                         "whatever else shares its batch (docs/determinism.md)")
@@ -46,7 +50,8 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic)
+                enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic,
+                cpu_isa=args.cpu_isa)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

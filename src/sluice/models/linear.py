@@ -1,15 +1,15 @@
-"""Linear layers with the fastest weight form the device offers.
+"""Linear layers and their methods (the forms backends/select.py names in LINEAR_METHODS).
 
 `Linear` is an nn.Linear that can be switched, after loading, to
-- our C++ kernels (worker/kernels, CPU with AVX-512 BF16, bfloat16; `use_kernels`): each
+- our C++ kernels (worker/kernels, AVX-512 or AVX2 build; `use_kernels`): each
   output reduced over K in one fixed order whatever the number of rows, which makes them
   batch-invariant (deterministic mode) and, at decode batch sizes, faster than oneDNN
   (measured 1.1-2.4x at 1-32 rows, equal at 2,048). With int8 weights, steps of at most
   KERNEL_INT8_MAX_ROWS rows read the int8 weights (half the bytes; decode at small batch
   is memory-bound) and bigger ones the dequantized bf16 weights; deterministic mode reads
   the int8 weights at every size, so a row never changes kernel with the batch;
-- a oneDNN prepacked bf16 weight, where our kernels are unavailable (the op inductor's
-  freezing uses);
+- a oneDNN prepacked bf16 weight, where our kernels do not run the model (the op
+  inductor's freezing uses);
 - int8 weight-only quantization (`quantize_int8`): symmetric per-output-channel scales;
   without our kernels, rows of a step at most INT8_MAX_ROWS use torch's int8 matmul;
 - w8a8 (`quantization="w8a8"`, kernels only): the same int8 weights, and activations
@@ -81,14 +81,6 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacks bf16 weights only where it computes bf16 itself (AVX-512 BW/VL/DQ
-    or AVX-NE-CONVERT); elsewhere, an AVX2-only CPU say, bf16 layers keep F.linear."""
-    from sluice.backends.platform import cpu
-    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu().onednn_bf16
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 @torch.no_grad()

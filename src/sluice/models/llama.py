@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.models.linear import (INT8_MAX_ROWS, KernelWeight, Linear, can_prepack, kernel_weight,
-                                  prepack_linears, prepack_weight, quantize_int8, quantize_per_channel,
-                                  use_kernels)
+from sluice.models.linear import (INT8_MAX_ROWS, KernelWeight, Linear, kernel_weight, prepack_linears,
+                                  prepack_weight, quantize_int8, quantize_per_channel, use_kernels)
 from sluice.worker.attention import AttentionMetadata, flat_attention_kernel, paged_attention, write_kv
 
 
@@ -269,31 +268,30 @@ class LlamaForCausalLM(nn.Module):
         approx = k.w8a8_linear(hidden, w8, scale, self.arch.vocab_size, None, True)
         return k.greedy_head(approx, hidden, packed, GREEDY_CANDIDATES)
 
-    def optimize_for(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-                     kernels=None, deterministic: bool = False, max_positions: int | None = None) -> None:
-        """After loading: quantize if asked; then, given our C++ kernels, run every linear
-        layer, RMSNorm and SwiGLU through them (batch-invariant), else prepack weights where
-        the device has a faster form. Deterministic mode also fixes the RoPE values."""
+    def optimize_for(self, plan, quantization: str | None = None, max_positions: int | None = None) -> None:
+        """After loading, set the layers up as the backend plan says (backends/select.py
+        decides; nothing here looks at the hardware): quantize if asked, then run every
+        linear layer, RMSNorm, SwiGLU and RoPE through the plan's kernels, or prepack the
+        weights for oneDNN. Deterministic mode also fixes the RoPE values."""
         if quantization in ("int8", "w8a8"):  # the same int8 weights; w8a8 also quantizes activations
-            if quantization == "w8a8" and kernels is None:
-                raise ValueError("quantization='w8a8' runs on the C++ kernels only")
-            quantize_int8(self, dtype)
+            quantize_int8(self, plan.dtype)
             if self.lm_head is None:
                 # Tied head: an int8 copy for the head; the embedding table stays as loaded.
                 q, scale = quantize_per_channel(self.model.embed_tokens.weight)
-                self._int8_head = (q, scale.to(dtype))
+                self._int8_head = (q, scale.to(plan.dtype))
         elif quantization is not None:
             raise ValueError(f"quantization must be None, 'int8' or 'w8a8', got {quantization!r}")
-        if kernels is not None:
-            self._use_kernels(kernels, dtype, deterministic, max_positions or self.arch.max_position_embeddings,
-                              quantization == "w8a8")
-        elif can_prepack(device, dtype):
+        if plan.model_kernels is not None:
+            self._use_kernels(plan.model_kernels, plan.deterministic,
+                              max_positions or self.arch.max_position_embeddings, plan.linear == "kernels-w8a8",
+                              plan.head == "kernels-greedy-w8a8")
+        elif plan.linear.endswith("onednn-bf16"):
             prepack_linears(self)
             if self.lm_head is None:  # tied head: a packed copy beside the embedding table
                 self._packed_embedding = prepack_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
-    def _use_kernels(self, k, dtype: torch.dtype, deterministic: bool, max_positions: int, w8a8: bool) -> None:
+    def _use_kernels(self, k, deterministic: bool, max_positions: int, w8a8: bool, greedy_head: bool) -> None:
         # w8a8 everywhere but the LM head and the first and last decoder layers, which keep
         # bf16 activations: on SmolLM2 int8 activations in the head took the KL divergence
         # from float32 from 0.006 to 0.009, and in the two end layers from 0.0054 to 0.0063
@@ -306,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self._kernel_head = self.lm_head.kernel
         self._int8_head = None
-        if not deterministic and getattr(k, "has_w8a8", False) and self._kernel_head.packed is not None:
+        if greedy_head and self._kernel_head.packed is not None:
             # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
             w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             q, scale = quantize_per_channel(w)
@@ -322,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         # cos/sin over a tensor whose length depends on the batch, and vectorised and
         # scalar-tail elements of such kernels may round differently.
         positions = torch.arange(max_positions, device=self.inv_freq.device)
-        cos, sin = self.rope(positions, dtype)
+        cos, sin = self.rope(positions, self.model.embed_tokens.weight.dtype)
         self._rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
 
     def _build_stack(self, k):

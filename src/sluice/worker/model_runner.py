@@ -11,7 +11,6 @@ import torch
 from sluice.config import CacheConfig
 from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
-from sluice.worker import kernels
 from sluice.worker.attention import INT8_ROW_EXTRA, AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 
@@ -57,7 +56,7 @@ PROMPT_LOGPROB_ROWS = 256
 
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 use_kernels: bool = True, batch_invariant_kernels=None, flat_prefill: bool = False):
+                 kernels=None, batch_invariant_kernels=None, flat_prefill: bool = False):
         self.model = model
         # Deterministic mode: attention for every token through one batch-invariant kernel.
         self.batch_invariant_kernels = batch_invariant_kernels
@@ -84,8 +83,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", self.num_blocks, cache.block_size,
                     "int8" if cache_dtype == torch.uint8 else str(dtype).removeprefix("torch."),
                     self.num_blocks * per_block / 2**30)
-        # Decode attention kernel: C++ on CPU where it builds, else the torch path.
-        self.decode_kernel = kernels.load() if device.type == "cpu" and use_kernels else None
+        # Decode attention kernel (and argmax): the backend plan's C++ kernels, else torch's path.
+        self.decode_kernel = kernels if device.type == "cpu" else None
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator, getattr(self.decode_kernel, "argmax_rows", None))

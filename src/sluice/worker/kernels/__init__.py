@@ -1,13 +1,27 @@
-"""Optional C++ kernels, compiled on first use with torch's extension builder.
+"""sluice's C++ CPU kernels: one build per instruction set, compiled on first use.
 
-If a compiler is missing or the build fails, `load()` returns None and callers fall
-back to the torch implementation; nothing else depends on the kernels being present.
+The sources in this folder are written once, in AVX-512 intrinsics, and built per ISA
+variant (VARIANTS): natively for AVX-512 with BF16 and VNNI, and for AVX2 + FMA + F16C
+through avx2/avx512_on_avx2.h. Flags name the target (x86-64-v4, x86-64-v3), never the
+build machine (-march=native), so a build is right for every CPU of its variant.
+
+Which variant runs is decided by backends/ (the CPU's features and the `cpu_isa`
+setting); this module builds and loads the one asked for. Each build is cached by
+variant and by the content of the sources, flags and torch version: a cache shared by
+machines of different kinds never loads AVX-512 code on an AVX2 CPU, and two checkouts
+of the same sources share one build (of different sources, two builds) instead of
+rebuilding each other's at every start. Sources are staged into the build folder, so the
+compiler commands do not depend on where the checkout is.
+
+If a compiler is missing or the build fails, `load()` returns None (logged) and the
+backend layer falls back to torch's own ops.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -19,18 +33,48 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 _DIR = Path(__file__).resolve().parent
 
-
+# Translation units; every *.h under the folder is staged with them.
 SOURCES = ("paged_attention.cpp", "batch_invariant.cpp", "decoder_stack.cpp", "w8a8.cpp", "argmax.cpp")
+
+# Compiler flags per variant. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL; x86-64-v3 is AVX2, FMA,
+# F16C, BMI1/2, LZCNT and MOVBE (every AVX2 CPU from Haswell and Zen 1 on).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "avx512": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    "avx2": ("-march=x86-64-v3", "-DSLUICE_AVX2"),
+}
+# No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
+_COMMON_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 # A build whose lock file is held this long is reported in the log (a first build on 2
 # cores takes ~1.5 minutes; a cached one loads in well under a second).
 _SLOW_LOAD_S = 3.0
 
 
-def build(name: str, source_dir: Path):
-    """Compile (or load the cached build of) the kernel sources in `source_dir` as module
-    `name`, within the instruction sets of backends.platform.cpu(). Raises what the build
-    raises."""
+def _files(source_dir: Path) -> list[Path]:
+    headers = sorted(p.relative_to(source_dir) for p in source_dir.rglob("*.h"))
+    return [Path(s) for s in SOURCES] + headers
+
+
+def build_key(variant: str, source_dir: Path = _DIR) -> str:
+    """12 hex digits over everything a build depends on: its variant's flags, the torch
+    version, and the names and bytes of every source and header."""
+    import torch
+    h = hashlib.sha256()
+    h.update(repr((variant, VARIANTS[variant], _COMMON_CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    for rel in _files(source_dir):
+        h.update(str(rel).encode() + b"\0" + (source_dir / rel).read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def module_name(variant: str, source_dir: Path = _DIR) -> str:
+    return f"sluice_kernels_{variant}_{build_key(variant, source_dir)}"
+
+
+def build(variant: str, source_dir: Path = _DIR):
+    """Compile (or load the cached build of) the kernel sources in `source_dir` for
+    `variant`. Raises what the build raises."""
+    if variant not in VARIANTS:
+        raise ValueError(f"no kernel build for {variant!r}; variants: {', '.join(VARIANTS)}")
     # torch runs `ninja` from PATH; the pip-installed one sits beside the interpreter,
     # which is not on PATH when the venv is used without being activated.
     bindir = os.path.dirname(sys.executable)
@@ -38,23 +82,22 @@ def build(name: str, source_dir: Path):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     from torch.utils.cpp_extension import _get_build_directory, load as load_extension
 
-    from sluice.backends.platform import cpu
-    info = cpu()
+    name = module_name(variant, source_dir)
     build_dir = Path(_get_build_directory(name, verbose=False))
     with _build_lock(build_dir):
+        staged = _stage(source_dir, build_dir / "src")
         started = time.monotonic()
         # Said only when loading is slow, i.e. when a build really runs.
         notice = threading.Timer(_SLOW_LOAD_S, logger.warning, (
-            "compiling sluice's C++ kernels for %s (%s; first start only, ~1.5 minutes on 2 cores) in %s",
-            info.describe(), info.isa, build_dir))
+            "compiling sluice's C++ kernels for %s (first start only, ~1.5 minutes on 2 cores) in %s",
+            variant, build_dir))
         notice.daemon = True
         notice.start()
         try:
             mod = load_extension(
                 name=name,
-                sources=[str(source_dir / source) for source in SOURCES],
-                # No contraction of a * b + c into one FMA: rope_write_kv replicates torch's rounding.
-                extra_cflags=["-O3", *info.kernel_build_flags(), "-fopenmp", "-ffp-contract=off"],
+                sources=[str(staged / s) for s in SOURCES],
+                extra_cflags=[*_COMMON_CFLAGS, *VARIANTS[variant]],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
@@ -62,8 +105,21 @@ def build(name: str, source_dir: Path):
         finally:
             notice.cancel()
         if time.monotonic() - started > _SLOW_LOAD_S:
-            logger.warning("C++ kernels ready after %.0f s", time.monotonic() - started)
+            logger.warning("C++ kernels (%s) ready after %.0f s", variant, time.monotonic() - started)
+        mod.isa = variant
         return mod
+
+
+def _stage(source_dir: Path, dest: Path) -> Path:
+    """Copy the sources into the build folder, rewriting only what differs (the build
+    tool compares modification times)."""
+    for rel in _files(source_dir):
+        data = (source_dir / rel).read_bytes()
+        target = dest / rel
+        if not target.exists() or target.read_bytes() != data:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+    return dest
 
 
 @contextlib.contextmanager
@@ -91,65 +147,17 @@ def _build_lock(build_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def module_name() -> str:
-    """One cached build per instruction-set ceiling, so forcing a lower one (tests) never
-    rebuilds over the native build."""
-    from sluice.backends.platform import cpu
-    isa = cpu().isa
-    return "sluice_cpu_kernels" if isa == "avx512" else f"sluice_cpu_kernels_{isa}"
-
-
 @functools.lru_cache(maxsize=None)
-def load():
+def load(variant: str | None = None):
+    """The kernels of `variant` ("avx512", "avx2"), by default the best this CPU runs;
+    None where there is none or the build failed (logged)."""
+    if variant is None:
+        from sluice.backends.platform import cpu
+        variant = cpu().best_isa
+    if variant not in VARIANTS:
+        return None
     try:
-        return build(module_name(), _DIR)
+        return build(variant)
     except Exception as e:  # no compiler, no ninja, unsupported platform
-        logger.warning("C++ kernels unavailable (%s); using the torch fallback", e)
+        logger.warning("C++ kernels (%s) unavailable (%s); using the torch fallback", variant, e)
         return None
-
-
-def batch_invariant(device, dtype):
-    """The kernels deterministic mode needs, or a ValueError that says why they are missing."""
-    import torch
-    if device.type != "cpu":
-        raise ValueError(f"deterministic mode runs on the CPU; its batch-invariant kernels "
-                         f"have no {device.type} build yet")
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"deterministic mode supports float32 and bfloat16, not {dtype}")
-    mod = load()
-    if mod is None:
-        raise ValueError("deterministic mode needs the C++ kernels, which failed to build (see the log); "
-                         "what works here: the default (non-deterministic) mode")
-    if not getattr(mod, "has_batch_invariant", False):  # backends.platform.check_modes said yes
-        raise ValueError("deterministic mode: the C++ kernels were built without AVX-512 BF16")
-    return mod
-
-
-def for_model(device, dtype):
-    """The kernels that run a model's linear layers, norms and SwiGLU in the default mode:
-    bfloat16 on a CPU with AVX-512 BF16, where they beat oneDNN at decode batch sizes.
-    None elsewhere (float32 keeps torch's own ops, which the exact-match tests against
-    transformers rely on; other devices keep torch's)."""
-    import torch
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return None
-    mod = load()
-    return mod if mod is not None and getattr(mod, "has_batch_invariant", False) else None
-
-
-def require_w8a8(mod) -> None:
-    """ValueError unless `mod` (the loaded kernels, or None) can run w8a8 linear layers."""
-    if mod is None:
-        raise ValueError("quantization='w8a8' needs the C++ kernels, which failed to build (see the log); "
-                         "what works here: quantization='int8', or none")
-    if not getattr(mod, "has_w8a8", False):  # backends.platform.check_modes said yes
-        raise ValueError("quantization='w8a8': the C++ kernels were built without AVX-512 VNNI")
-
-
-def require_int8_kv(mod) -> None:
-    """ValueError unless `mod` (the kernels that run the model, or None) can use an int8 KV cache."""
-    if mod is None:
-        raise ValueError("kv_cache_dtype='int8' needs the C++ kernels, which failed to build (see the log); "
-                         "what works here: kv_cache_dtype='auto'")
-    if not getattr(mod, "has_w8a8", False):  # the same instructions as w8a8: AVX-512 VNNI
-        raise ValueError("kv_cache_dtype='int8': the C++ kernels were built without AVX-512 VNNI")

@@ -11,8 +11,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
 namespace {
 
@@ -164,6 +163,3 @@ void register_argmax(pybind11::module& m) {
   m.def("greedy_head", &greedy_head, "argmax of the bf16 LM head from int8 logits: the top k rescored exactly",
         pybind11::arg("approx"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("k") = 16);
 }
-#else
-void register_argmax(pybind11::module&) {}
-#endif

@@ -25,17 +25,19 @@
 #include <utility>
 #include <vector>
 
-// Without AVX-512 BF16 nothing is registered and deterministic mode reports that it
-// is unavailable on this CPU.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "simd.h"
 #include "kernels.h"
 
 namespace sluice {
 
 constexpr int kLanes = 16;
+#if defined(SLUICE_AVX2)   // 16 registers of 8 lanes: 4 x 1 16-lane sums take 8
+constexpr int kRows = 4;
+constexpr int kCols = 1;
+#else
 constexpr int kRows = 8;     // rows per register block (24 accumulators)
 constexpr int kCols = 3;     // 16-column groups per register block (48 columns)
+#endif
 
 inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
   __m256i raw = _mm256_maskz_loadu_epi16(m, p);
@@ -565,6 +567,3 @@ void register_batch_invariant(pybind11::module& m) {
   m.def("bi_add_rms_norm", &sluice::add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
   m.def("bi_silu_and_mul", &sluice::silu_and_mul, "batch-invariant silu(gate) * up");
 }
-#else
-void register_batch_invariant(pybind11::module& m) { m.attr("has_batch_invariant") = false; }
-#endif

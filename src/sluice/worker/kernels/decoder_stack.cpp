@@ -20,7 +20,6 @@
 
 #include "kernels.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
 
 // One linear layer as models/linear.py's KernelWeight holds it.
@@ -138,6 +137,3 @@ void register_decoder_stack(pybind11::module& m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward);
 }
-#else
-void register_decoder_stack(pybind11::module&) {}
-#endif

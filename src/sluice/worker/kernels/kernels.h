@@ -10,7 +10,6 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor query_start,
                                      torch::Tensor seq_lens, double scale);
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace sluice {
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                      bool out_float32);
@@ -44,4 +43,3 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                             int64_t num_kv_heads);
 }  // namespace sluice
-#endif

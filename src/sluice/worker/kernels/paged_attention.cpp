@@ -21,7 +21,6 @@ namespace {
 
 using sluice::to_float;
 
-#if defined(__AVX512F__)
 using sluice::exp16;
 using sluice::load16;
 
@@ -179,7 +178,6 @@ void attend_fixed(const float* qf, const T* kh, const T* vh, const int64_t* bloc
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
 }
 
-#if defined(__AVX512BF16__)
 // A bf16 cache's attention on the bf16 dot-product instruction, which multiplies 32
 // pairs of bf16 where an FMA takes 16 floats, and needs no widening of K and V to float
 // first: about half the instructions of attend_fixed per cached row.
@@ -301,7 +299,6 @@ AttendBf16Fn attend_bf16_for(int64_t group, int64_t head_dim) {
                    [](auto g, auto d) -> AttendBf16Fn { return &attend_bf16<decltype(g)::value, decltype(d)::value / 32>; });
 }
 
-#if defined(__AVX512VNNI__)
 // Prefetches the first nblocks blocks of the thread's next work item's K, per_step lines a call.
 struct NextItemLines {
   const uint8_t* k;
@@ -467,8 +464,6 @@ AttendInt8Fn attend_int8_for(int64_t group, int64_t head_dim) {
   return for_shape(group, head_dim,
                    [](auto g, auto d) -> AttendInt8Fn { return &attend_int8<decltype(g)::value, decltype(d)::value / 32>; });
 }
-#endif
-#endif
 
 // The compiled attend_fixed for (group, head_dim), or null: head_dim 64 or 128, 1-8 heads per kv head.
 template <typename T>
@@ -478,7 +473,6 @@ AttendFn<T> attend_fixed_for(int64_t group, int64_t head_dim) {
   return for_shape(group, head_dim,
                    [](auto g, auto d) -> AttendFn<T> { return &attend_fixed<decltype(g)::value, decltype(d)::value / 16, T>; });
 }
-#endif
 
 // In-place softmax of n floats, in plain C++ (the paths without AVX-512's softmax16).
 inline void softmax_scalar(float* s, int64_t n) {
@@ -497,14 +491,9 @@ template <typename T>
 void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks, int64_t len,
                 int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* acc) {
   // Scores: q . k for every cached token of this sequence, walking its block table.
-#if defined(__AVX512F__)
   const int64_t chunks = head_dim / 16;
   const bool fast = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
-#else
-  const bool fast = false;
-#endif
   if (fast) {
-#if defined(__AVX512F__)
     for (int64_t t = 0; t < len; ++t) {
       const T* k = kh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
       __m512 kv[kMaxChunks];
@@ -515,7 +504,6 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
         scores[g * len + t] = _mm512_reduce_add_ps(sum);
       }
     }
-#endif
   } else {
     for (int64_t t = 0; t < len; ++t) {
       const T* k = kh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
@@ -527,15 +515,12 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
     }
   }
   // Softmax per query head, in float32.
-#if defined(__AVX512F__)
   if (fast) {
     for (int64_t g = 0; g < group; ++g) softmax16(scores + g * len, len);
   } else
-#endif
   for (int64_t g = 0; g < group; ++g) softmax_scalar(scores + g * len, len);
   // Weighted sum of V.
   if (fast) {
-#if defined(__AVX512F__)
     __m512 a[kMaxGroup][kMaxChunks];
     for (int64_t g = 0; g < group; ++g)
       for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_setzero_ps();
@@ -550,7 +535,6 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
     }
     for (int64_t g = 0; g < group; ++g)
       for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * head_dim + c * 16, a[g][c]);
-#endif
   } else {
     std::fill(acc, acc + group * head_dim, 0.f);
     for (int64_t t = 0; t < len; ++t) {
@@ -671,9 +655,7 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
     const uint8_t* vp = v_cache.data_ptr<uint8_t>();
     const int64_t* btp = bt.data_ptr<int64_t>();
     const int64_t head_elems = num_blocks * sluice::int8_block_bytes(block_size, head_dim);
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     const AttendInt8Fn fast = attend_int8_for(group, head_dim);
-#endif
     for_each_work(total, parts, num_kv_heads, tok_req, [&] {
       return [&, qi = std::vector<int8_t>(group * head_dim), qscale = std::vector<float>(group),
               acc = std::vector<float>(group * head_dim), scores = std::vector<float>(),
@@ -690,7 +672,6 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
           qscale[g] = sluice::quantize_row_i8(qp + row + g * head_dim, head_dim, qi.data() + g * head_dim, &sum) * fscale;
           qcorr[g] = 128 * sum;
         }
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
         if (fast) {
           const int64_t plen = (len + 15) / 16 * 16;
           probs.resize(group * plen);
@@ -707,7 +688,6 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
                vscales.data(), probs.data(), op + row, pf);
           return;
         }
-#endif
         attend_one_int8(qi.data(), qscale.data(), qcorr.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(),
                         acc.data());
         for (int64_t i = 0; i < group * head_dim; ++i) op[row + i] = static_cast<B>(acc[i]);
@@ -718,16 +698,8 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
   auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     const int64_t* btp = bt.data_ptr<int64_t>();
-#if defined(__AVX512F__)
     const AttendFn<T_> fixed = attend_fixed_for<T_>(group, head_dim);
-#else
-    const void* fixed = nullptr;
-#endif
-#if defined(__AVX512BF16__)
     const AttendBf16Fn fast_bf16 = std::is_same_v<T_, c10::BFloat16> ? attend_bf16_for(group, head_dim) : nullptr;
-#else
-    const void* fast_bf16 = nullptr;
-#endif
     for_each_work(total, parts, num_kv_heads, tok_req, [&] {
       return [&, qf = std::vector<float>(group * head_dim), acc = std::vector<float>(group * head_dim),
               scores = std::vector<float>(), probs = std::vector<uint16_t>()](int64_t work, int64_t t,
@@ -738,7 +710,6 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
         const T_* vh = vp + h * num_blocks * block_size * head_dim;
         const int64_t* blocks = btp + tok_req[t] * max_blocks;
         const int64_t row = (t * num_heads + h * group) * head_dim;  // the group's q and output rows
-#if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T_, c10::BFloat16>) {
           if (fast_bf16) {
             probs.resize(group * (len + 1));
@@ -755,16 +726,13 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
             return;
           }
         }
-#endif
         for (int64_t g = 0; g < group; ++g) {
           const T_* src = qp + (t * num_heads + h * group + g) * head_dim;
           for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
         }
-#if defined(__AVX512F__)
         if (fixed) {
           fixed(qf.data(), kh, vh, blocks, len, block_size, scores.data(), acc.data());
         } else
-#endif
         attend_one(qf.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(), acc.data());
         for (int64_t g = 0; g < group; ++g) {
           T_* dst = op + (t * num_heads + h * group + g) * head_dim;

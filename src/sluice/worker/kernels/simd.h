@@ -1,5 +1,10 @@
-// AVX-512 helpers shared by the CPU kernels: float32 lanes from float32 or bfloat16
-// memory, a 16-lane exp, and the weight-panel prefetch of the linear kernels.
+// Helpers shared by the CPU kernels: float32 lanes from float32 or bfloat16 memory, a
+// 16-lane exp, and the weight-panel prefetch of the linear kernels.
+//
+// The kernels are written in AVX-512 intrinsics and built once per ISA (worker/kernels/
+// __init__.py): natively for AVX-512 with BF16 and VNNI, and for AVX2 + FMA + F16C with
+// SLUICE_AVX2 defined, where avx2/avx512_on_avx2.h provides those intrinsics on 256-bit
+// halves. This header is the one place that tells the two builds apart.
 #pragma once
 
 #include <torch/extension.h>
@@ -11,8 +16,12 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(SLUICE_AVX2)
+#include "avx2/avx512_on_avx2.h"
+#elif defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+#else
+#error "sluice's kernels build for AVX-512 (with BF16 and VNNI) or, with -DSLUICE_AVX2, for AVX2 + FMA + F16C"
 #endif
 
 namespace sluice {
@@ -25,7 +34,6 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
-#if defined(__AVX512F__)
 // 16 lanes of float32 from float32 or bfloat16 memory (bf16 -> f32 is a 16-bit shift).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -80,7 +88,6 @@ struct Prefetch {
     return pf;
   }
 };
-#endif
 
 // An int8 KV cache (--kv-cache-dtype int8): per kv head, each block of bs tokens (bs a
 // multiple of 16) is bs float32 scales (one per token, x ~ scale * value) and then bs x D
@@ -106,16 +113,13 @@ template <typename T>
 inline float quantize_row_i8(const T* x, int64_t n, int8_t* q, int32_t* sum = nullptr) {
   float amax = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
   __m512 m = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + i)));
   amax = _mm512_reduce_max_ps(m);
-#endif
   for (; i < n; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   int32_t s = 0;
   i = 0;
-#if defined(__AVX512F__)
   const __m512 iv = _mm512_set1_ps(inv);
   __m512i acc = _mm512_setzero_si512();
   for (; i + 16 <= n; i += 16) {
@@ -124,7 +128,6 @@ inline float quantize_row_i8(const T* x, int64_t n, int8_t* q, int32_t* sum = nu
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(r));
   }
   s = _mm512_reduce_add_epi32(acc);
-#endif
   for (; i < n; ++i) {
     const int32_t r = static_cast<int32_t>(std::nearbyint(to_float(x[i]) * inv));
     q[i] = static_cast<int8_t>(r);

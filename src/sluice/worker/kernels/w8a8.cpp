@@ -25,12 +25,12 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "kernels.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include "simd.h"
 
 namespace sluice {
@@ -39,17 +39,31 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;              // k per activation scale
 constexpr int kStepsPerBlock = kBlock / 4;  // vpdpbusd takes 4 k per lane
-constexpr int kRows = 4;                // register block: kRows x kCols int32 + as many float32
+// Register block: kRows x kCols int32 sums and as many float32 ones. AVX2 has 16 vector
+// registers for AVX-512's 32 and each 16-lane sum takes two, hence 4 x 1 there.
+#if defined(SLUICE_AVX2)
+constexpr int kRows = 4;
+constexpr int kCols = 1;
+#else
+constexpr int kRows = 4;
 constexpr int kCols = 3;
+#endif
 
 // acc += w (unsigned bytes) . x (signed bytes), 4 per lane. Written as asm because GCC
 // copies every accumulator to a fresh register around the intrinsic (two extra moves
 // per multiply-add in the inner loop, measured ~1.5x slower).
 // The four activation bytes are broadcast from memory by the instruction itself.
+// On AVX2 it is avx2/avx512_on_avx2.h's exact equivalent of the instruction.
 inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4) {
+#if defined(SLUICE_AVX2)
+  int32_t x;
+  std::memcpy(&x, x4, sizeof(x));
+  acc = _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
+#else
   asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
       : [acc] "+v"(acc)
       : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x4)));
+#endif
 }
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
@@ -100,6 +114,7 @@ W8A8Rows w8a8_rows(int64_t M, int64_t K, const torch::TensorOptions& options) {
 
 namespace {
 
+#if !defined(SLUICE_AVX2)
 // The 4-row x 3-group block, the one nearly all of a linear layer's work runs in at 32
 // rows and more, as one asm loop over K with every register fixed: int32 sums in
 // zmm0-11, float32 sums in zmm12-23, weights in zmm24-26, activations broadcast into
@@ -184,6 +199,13 @@ void block_4x3_asm(float* acc, const uint8_t* w, int64_t wst, const int8_t* q, i
 #undef SLUICE_W8A8_ROW
 #undef SLUICE_W8A8_STEP
 #undef SLUICE_W8A8_SCALE
+constexpr bool kAsmBlock = true;
+#else
+// (AVX-512 registers only.)
+constexpr bool kAsmBlock = false;
+inline void block_4x3_asm(float*, const uint8_t*, int64_t, const int8_t*, int64_t, const float*, int64_t, int64_t,
+                          Prefetch) {}
+#endif
 
 // R rows x C groups of 16 columns. Per block: int32 sums of kBlock k, then one
 // float multiply-add by the row's block scale; at the end the offset term and the
@@ -194,7 +216,7 @@ void block(const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, c
            Prefetch pf) {
   const int64_t nblk = Kp / kBlock;
   __m512 acc[R][C];
-  if (R == 4 && C == 3 && nblk > 0) {  // (K > 0: the asm loop runs at least once)
+  if (kAsmBlock && R == 4 && C == 3 && nblk > 0) {  // (K > 0: the asm loop runs at least once)
     alignas(64) float sums[R * C * kLanes];
     block_4x3_asm(sums, w + nb0 * KS * kLanes * 4, KS * kLanes * 4, q + m0 * Kp, Kp, scales + m0 * nblk, nblk, nblk,
                   pf);
@@ -340,23 +362,3 @@ void register_w8a8(pybind11::module& m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
 }
-#else
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// kernels.h declares it for the decoder stack, which only calls it when has_w8a8 is true.
-torch::Tensor sluice::linear_w8a8(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
-                                  bool) {
-  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
-}
-sluice::W8A8Rows sluice::w8a8_rows(int64_t, int64_t, const torch::TensorOptions&) {
-  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
-}
-void sluice::w8a8_quantize_row(const uint16_t*, W8A8Rows&, int64_t) {
-  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
-}
-torch::Tensor sluice::linear_w8a8_rows(const W8A8Rows&, torch::Tensor, torch::Tensor, int64_t,
-                                       c10::optional<torch::Tensor>, bool) {
-  TORCH_CHECK(false, "w8a8 needs a CPU with AVX-512 VNNI");
-}
-#endif
-void register_w8a8(pybind11::module& m) { m.attr("has_w8a8") = false; }
-#endif

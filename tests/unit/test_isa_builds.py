@@ -1,0 +1,109 @@
+"""The kernel builds per ISA: the AVX2 build computes what the AVX-512 one does, bit for bit.
+
+Both builds compile the same sources (worker/kernels; avx2/avx512_on_avx2.h maps the
+AVX-512 intrinsics onto AVX2), so every op must give the same bits on the same inputs.
+Runs where the CPU executes both builds (an AVX-512 machine); an AVX2-only machine runs
+the AVX2 build through every other kernel test instead.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.models.linear import quantize_per_channel
+from sluice.worker import kernels
+from tests.conftest import KERNEL_ISAS
+
+pytestmark = pytest.mark.skipif(KERNEL_ISAS[:2] != ["avx512", "avx2"],
+                                reason="needs a CPU that runs both the AVX-512 and the AVX2 build")
+
+
+@pytest.fixture(scope="module")
+def builds():
+    both = kernels.load("avx512"), kernels.load("avx2")
+    if None in both:
+        pytest.skip("a kernel build failed here (see the log)")
+    return both
+
+
+def same(builds, fn):
+    a, b = (fn(k) for k in builds)
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,kdim", [(1, 96, 64), (3, 37, 7), (9, 200, 131), (40, 576, 576)])
+def test_linear_layers(builds, dtype, m, n, kdim):
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, kdim, generator=g)
+    x = torch.randn(m, kdim, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    same(builds, lambda k: (k.bi_linear(x, k.bi_pack_weight(w.to(dtype)), n, b),
+                            k.bi_linear(x, k.bi_pack_weight(w.to(dtype)), n, None, True)))
+    if dtype == torch.bfloat16:
+        q, scale = quantize_per_channel(w)
+        same(builds, lambda k: (k.bi_linear_int8(x, k.bi_pack_weight_int8(q), scale, n, b),
+                                k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, n, b),
+                                k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, n, None, True)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norms_activation_and_rope(builds, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(21, 72, generator=g) * 3).to(dtype)
+    r = torch.randn(21, 72, generator=g).to(dtype)
+    w = torch.randn(72, generator=g).to(dtype)
+    gu = torch.randn(21, 200, generator=g).to(dtype)
+    same(builds, lambda k: (k.bi_rms_norm(x, w, 1e-5), *k.bi_add_rms_norm(x, r, w, 1e-5), k.bi_silu_and_mul(gu)))
+    if dtype == torch.bfloat16:
+        hq, hkv, d, nb, bs, t = 6, 2, 64, 8, 16, 37
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16()
+        ang = torch.randn(t, 1, d, generator=g)
+        cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+        slots = torch.randperm(nb * bs, generator=g)[:t]
+
+        def rope(k):
+            out = []
+            for shape, cdtype in (((hkv, nb, bs, d), torch.bfloat16), ((hkv, nb, bs, d + 4), torch.uint8)):
+                kc, vc = torch.zeros(shape, dtype=cdtype), torch.zeros(shape, dtype=cdtype)
+                out += [k.rope_write_kv(qkv, cos, sin, kc, vc, slots, hq, hkv), kc, vc]
+            return tuple(out)
+        same(builds, rope)
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "float32", "int8"])
+@pytest.mark.parametrize("group,d", [(3, 64), (2, 128), (1, 32)])
+def test_paged_attention(builds, cache, group, d):
+    from sluice.worker.attention import int8_cache_from_dense
+    g = torch.Generator().manual_seed(group * d)
+    hkv, nb, bs = 2, 24, 16
+    dtype = torch.float32 if cache == "float32" else torch.bfloat16
+    kd, vd = torch.randn(hkv, nb, bs, d, generator=g), torch.randn(hkv, nb, bs, d, generator=g)
+    if cache == "int8":
+        kc, vc = int8_cache_from_dense(kd, True), int8_cache_from_dense(vd, False)
+    else:
+        kc, vc = kd.to(dtype), vd.to(dtype)
+    # Two requests: a prompt chunk of 30 tokens after 50 cached ones, and a decode.
+    tables = torch.stack([torch.randperm(nb, generator=g)[:6] for _ in range(2)])
+    q = torch.randn(31, hkv * group, d, generator=g).to(dtype)
+    starts, lens = torch.tensor([0, 30, 31]), torch.tensor([80, 71])
+    same(builds, lambda k: k.paged_attention_varlen(q, kc, vc, tables, starts, lens, d ** -0.5))
+    if cache != "int8":
+        same(builds, lambda k: k.paged_decode_attention(q[:2].contiguous(), kc, vc, tables, lens, d ** -0.5))
+
+
+def test_argmax_and_greedy_head(builds):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 3001, generator=g)
+    logits[2, 17] = float("nan")
+    vocab, hidden = 3000, 97
+    w = (torch.randn(vocab, hidden, generator=g) * 0.05).bfloat16()
+    x = torch.randn(9, hidden, generator=g).bfloat16()
+    q, scale = quantize_per_channel(w)
+
+    def head(k):
+        approx = k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, vocab, None, True)
+        return k.argmax_rows(logits), approx, k.greedy_head(approx, x, k.bi_pack_weight(w), 16)
+    same(builds, head)
