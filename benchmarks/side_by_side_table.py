@@ -39,9 +39,9 @@ def median(runs: dict[int, dict], key: str, scale: float = 1.0) -> str:
 
 
 def table(found, names: list[str], high: int, low: int) -> str:
-    lines = [f"| config | rounds | c{high} output tok/s | c{high} TTFT p50 (ms) | c{high} TPOT p50 (ms) "
-             f"| c{low} TPOT p50 (ms) | failed requests |",
-             "|---|---|---|---|---|---|---|"]
+    header = (f"| config | rounds | c{high} output tok/s | c{high} TTFT p50 (ms) | c{high} TPOT p50 (ms) "
+              f"| c{low} TPOT p50 (ms) | failed requests |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
     for name in names:
         hi, lo = found.get(name, {}).get(high, {}), found.get(name, {}).get(low, {})
         rounds = max(len(hi), len(lo))
