@@ -29,20 +29,22 @@ from sluice.worker import kernels
 KERNEL_DIR = "src/sluice/worker/kernels"
 
 
-def build_at(revision: str):
-    """The kernels as they were at `revision`, as a module of their own."""
+def build_at(revision: str, isa: str):
+    """The kernels as they were at `revision`, built for `isa`, as a module of their own."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
     sha = subprocess.run(["git", "rev-parse", "--short", revision], capture_output=True, text=True, check=True,
                          cwd=root).stdout.strip()
     src = Path(tempfile.mkdtemp(prefix=f"sluice_kernels_{sha}_"))
-    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{KERNEL_DIR}"], capture_output=True,
+    listing = subprocess.run(["git", "ls-tree", "-r", "--name-only", sha, "--", KERNEL_DIR], capture_output=True,
                              text=True, check=True, cwd=root).stdout.split()
-    for name in listing:
-        blob = subprocess.run(["git", "show", f"{sha}:{KERNEL_DIR}/{name}"], capture_output=True, check=True,
-                              cwd=root).stdout
-        (src / name).write_bytes(blob)
-    return kernels.build(f"sluice_cpu_kernels_{sha}", src), sha
+    for path in listing:
+        blob = subprocess.run(["git", "show", f"{sha}:{path}"], capture_output=True, check=True, cwd=root).stdout
+        dest = src / Path(path).relative_to(KERNEL_DIR)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(blob)
+    # The build of the variant this engine runs (a build is named by its sources' content).
+    return kernels.build(isa, src), sha
 
 
 def main() -> None:
@@ -57,7 +59,7 @@ def main() -> None:
     model = engine.runner.model
     if getattr(model, "_stack", None) is None:
         raise SystemExit("these engine options do not run the decoder stack; nothing to compare")
-    base, sha = build_at(args.base)
+    base, sha = build_at(args.base, engine.backend.isa)
     head = getattr(model, "_greedy_head", None)
     builds = {"tree": (model._stack, head),
               sha: (model._build_stack(base), None if head is None else (base,) + tuple(head[1:]))}

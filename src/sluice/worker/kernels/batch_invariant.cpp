@@ -31,12 +31,17 @@
 namespace sluice {
 
 constexpr int kLanes = 16;
-#if defined(SLUICE_AVX2)   // 16 registers of 8 lanes: 4 x 1 16-lane sums take 8
+constexpr int kCols = 3;     // 16-column groups per register block (48 columns)
+// AVX2 has 16 vector registers for AVX-512's 32 and each 16-lane sum takes two: there
+// blocks are at most 4 rows, and a block of 4 runs its column groups one at a time
+// (block_cols); fewer rows keep all three groups, whose independent sums hide the FMA
+// latency that one group's chain of two FMAs per step would wait on.
+#if defined(SLUICE_AVX2)
 constexpr int kRows = 4;
-constexpr int kCols = 1;
+constexpr int kMaxSums = 6;  // 16-lane float sums a block keeps in registers
 #else
 constexpr int kRows = 8;     // rows per register block (24 accumulators)
-constexpr int kCols = 3;     // 16-column groups per register block (48 columns)
+constexpr int kMaxSums = kRows * kCols;
 #endif
 
 inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
@@ -101,6 +106,28 @@ inline __m512i int8x32_to_bf16(const int8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+#if defined(SLUICE_AVX2)
+// The AVX2 build skips the bf16 round trip, which costs several instructions per half
+// there (vcvtneps2bf16 has no AVX2 form): the 32 int8 weights are widened to int16 pairs
+// (one pair of k per column in each 32-bit lane, the layout of bf16 pairs), and each k's
+// value goes to float32 directly. x's bf16 pair . the weights' pair, the odd k then the
+// even one, with exact products: what vdpbf16ps computes on the widened bf16, bit for bit.
+inline __m512i int8x32_to_int16(const int8_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_cvtepi8_epi16(raw);
+}
+inline __m256 int16_pairs_fma_half(__m256 acc, __m256i x, __m256i w) {
+  const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  const __m256 w_odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16));
+  const __m256 w_even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16));
+  return _mm256_fmadd_ps(x_even, w_even, _mm256_fmadd_ps(x_odd, w_odd, acc));
+}
+inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
+  return {int16_pairs_fma_half(acc.lo, x.lo, w.lo), int16_pairs_fma_half(acc.hi, x.hi, w.hi)};
+}
+#endif
+
 // The three weight formats as one interface for the block kernel: a K "step" is a pair
 // of k for bf16 activations (one vdpbf16ps) and one k for float32 (one FMA).
 template <typename WeightT>
@@ -114,7 +141,11 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
   const char* panel(int64_t nb) const { return reinterpret_cast<const char*>(w + nb * KP * kLanes * 2); }
   int64_t panel_bytes(int64_t groups) const { return groups * KP * kLanes * 2 * sizeof(WeightT); }
   Vec load_b(int64_t nb, int64_t s) const {
+#if defined(SLUICE_AVX2)
+    if constexpr (std::is_same_v<WeightT, int8_t>) return int8x32_to_int16(w + (nb * KP + s) * kLanes * 2);
+#else
     if constexpr (std::is_same_v<WeightT, int8_t>) return int8x32_to_bf16(w + (nb * KP + s) * kLanes * 2);
+#endif
     else return _mm512_loadu_si512(w + (nb * KP + s) * kLanes * 2);
   }
   static Vec bcast_a(const Act* row, int64_t s) {
@@ -125,7 +156,12 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
   static Vec bcast_last(const Act* row, int64_t K) {  // odd K: the last k, its partner zero
     return _mm512_set1_epi32(static_cast<int32_t>(row[K - 1]));
   }
-  static __m512 fma(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static __m512 fma(__m512 acc, Vec a, Vec b) {
+#if defined(SLUICE_AVX2)
+    if constexpr (std::is_same_v<WeightT, int8_t>) return int16_pairs_fma(acc, a, b);
+#endif
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
 };
 
 struct Float32Weights {
@@ -179,6 +215,10 @@ void block(const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const f
 template <int R, typename W>
 void block_cols(int C, const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const float* scale,
                 const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
+  if constexpr (R * kCols > kMaxSums) {  // one group at a time (the same sums, in the same order)
+    for (int c = 0; c < C; ++c) block<R, 1>(w, X, K, nb0 + c, scale, bias, N, out_f32, out, m0, pf);
+    return;
+  }
   switch (C) {
     case 1: return block<R, 1>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
     case 2: return block<R, 2>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);

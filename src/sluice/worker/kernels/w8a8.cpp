@@ -39,32 +39,54 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;              // k per activation scale
 constexpr int kStepsPerBlock = kBlock / 4;  // vpdpbusd takes 4 k per lane
-// Register block: kRows x kCols int32 sums and as many float32 ones. AVX2 has 16 vector
-// registers for AVX-512's 32 and each 16-lane sum takes two, hence 4 x 1 there.
-#if defined(SLUICE_AVX2)
-constexpr int kRows = 4;
-constexpr int kCols = 1;
-#else
-constexpr int kRows = 4;
+constexpr int kRows = 4;                // register block: kRows x kCols int32 + as many float32
 constexpr int kCols = 3;
+// AVX2 has 16 vector registers for AVX-512's 32 and each 16-lane sum takes two: there a
+// block of kRows rows runs its column groups one at a time (block_cols).
+#if defined(SLUICE_AVX2)
+constexpr int kMaxSums = 8;             // 16-lane int32 sums a block keeps in registers
+#else
+constexpr int kMaxSums = kRows * kCols;
 #endif
 
+#if defined(SLUICE_AVX2)
+// AVX2 has no vpdpbusd. Per half: the weights taken back to signed (w - 128 = q, |q| <=
+// 127), then llama.cpp's sign trick, vpmaddubsw(|x|, q * sign(x)) (pairs below 2^15) and
+// vpmaddwd by ones: acc += sum(q * x), 4 k per lane. What the +128 offset would have
+// added, 128 * sum(x) over the block, is added once per block (block_offset), so a
+// block's int32 sum is vpdpbusd's exactly and the bits are the AVX-512 build's.
+inline __m256i dot4_s8(__m256i acc, __m256i w, __m256i x, __m256i xabs) {
+  const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(xabs, _mm256_sign_epi8(q, x));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4) {
+  int32_t x;
+  std::memcpy(&x, x4, sizeof(x));
+  const __m256i xv = _mm256_set1_epi32(x), xabs = _mm256_abs_epi8(xv);
+  acc.lo = dot4_s8(acc.lo, w.lo, xv, xabs);
+  acc.hi = dot4_s8(acc.hi, w.hi, xv, xabs);
+}
+// 128 * the sum of one block's kBlock activation bytes, in every lane.
+inline __m512i block_offset(const int8_t* xb) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm512_set1_epi32(128 * _mm_cvtsi128_si32(t));
+}
+#else
 // acc += w (unsigned bytes) . x (signed bytes), 4 per lane. Written as asm because GCC
 // copies every accumulator to a fresh register around the intrinsic (two extra moves
 // per multiply-add in the inner loop, measured ~1.5x slower).
 // The four activation bytes are broadcast from memory by the instruction itself.
-// On AVX2 it is avx2/avx512_on_avx2.h's exact equivalent of the instruction.
 inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4) {
-#if defined(SLUICE_AVX2)
-  int32_t x;
-  std::memcpy(&x, x4, sizeof(x));
-  acc = _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
-#else
   asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
       : [acc] "+v"(acc)
       : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x4)));
-#endif
 }
+#endif
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
@@ -237,6 +259,12 @@ void block(const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, c
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < C; ++c) dpbusd(isum[r][c], wv[c], q + (m0 + r) * Kp + step * 4);
       }
+#if defined(SLUICE_AVX2)
+      for (int r = 0; r < R; ++r) {
+        const __m512i off = block_offset(q + (m0 + r) * Kp + b * kBlock);
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_add_epi32(isum[r][c], off);
+      }
+#endif
       for (int r = 0; r < R; ++r) {
         const __m512 d = _mm512_set1_ps(scales[(m0 + r) * nblk + b]);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), d, acc[r][c]);
@@ -262,6 +290,10 @@ template <int R>
 void block_cols(int C, const uint8_t* w, int64_t KS, const int8_t* q, const float* scales, const float* corr,
                 int64_t Kp, int64_t nb0, const float* wscale, const float* bias, int64_t N, bool out_f32, void* out,
                 int64_t m0, Prefetch pf) {
+  if constexpr (R * kCols > kMaxSums) {  // one group at a time (the same sums, in the same order)
+    for (int c = 0; c < C; ++c) block<R, 1>(w, KS, q, scales, corr, Kp, nb0 + c, wscale, bias, N, out_f32, out, m0, pf);
+    return;
+  }
   switch (C) {
     case 1: return block<R, 1>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0, pf);
     case 2: return block<R, 2>(w, KS, q, scales, corr, Kp, nb0, wscale, bias, N, out_f32, out, m0, pf);
