@@ -130,25 +130,16 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# `sluice bench serve`, run through the CLI's main() so that FORCE_CLOSE=1 can make its
-# aiohttp connector open a new connection for every request (force_close=True), for all
-# engines alike. llama-server (cpp-httplib) answers a stream with "Keep-Alive" but closes
-# the connection after it; the client puts the connection back in its pool first and its
-# next request on it fails ("ClientOSError: Can not write request body"): 2 of 6 requests
-# at c1 and 2 of 6 at c2 in a check without this, none with it. A new localhost
-# connection per request costs well under a millisecond.
+# With FORCE_CLOSE=1, `sluice bench serve --new-connections`: a new connection for every
+# request, for all engines alike. llama-server (cpp-httplib) answers a stream with
+# "Keep-Alive" but closes the connection after it; the client puts the connection back in
+# its pool first and its next request on it fails ("ClientOSError: Can not write request
+# body"): 2 of 6 requests at c1 and 2 of 6 at c2 in a check without this, none with it. A
+# new localhost connection per request costs well under a millisecond.
 bench() {  # OUT.json CONCURRENCY REQUESTS OUTPUT_LEN SEED
-    .venv/bin/python -c '
-import sys
-import aiohttp
-if sys.argv[1] == "1":
-    class ForceClose(aiohttp.TCPConnector):
-        def __init__(self, *args, **kwargs):
-            kwargs["force_close"] = True
-            super().__init__(*args, **kwargs)
-    aiohttp.TCPConnector = ForceClose
-from sluice.entrypoints.cli import main
-sys.exit(main(sys.argv[2:]))' "$FORCE_CLOSE" bench serve --url "http://127.0.0.1:$PORT" \
+    local extra=()
+    [ "$FORCE_CLOSE" = 1 ] && extra=(--new-connections)
+    .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" "${extra[@]}" \
         --concurrency "$2" --requests "$3" --input-len "$INPUT_LEN" --output-len "$4" --seed "$5" --json "$1"
 }
 

@@ -117,12 +117,12 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
         errors=sorted({r.error for r in results if r.error})[:5])
 
 
-async def closed_loop(url, model, prompts, output_len, concurrency, api_key) -> RunSummary:
+async def closed_loop(url, model, prompts, output_len, concurrency, api_key, new_connections=False) -> RunSummary:
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results: list[RequestResult] = []
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=new_connections)
     async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as client:
         async def worker():
             while True:
@@ -137,9 +137,10 @@ async def closed_loop(url, model, prompts, output_len, concurrency, api_key) -> 
     return summarize(results, duration, concurrency, None)
 
 
-async def open_loop(url, model, prompts, output_len, rate, seed, api_key) -> RunSummary:
+async def open_loop(url, model, prompts, output_len, rate, seed, api_key, new_connections=False) -> RunSummary:
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), timeout=TIMEOUT) as client:
+    connector = aiohttp.TCPConnector(limit=1024, force_close=new_connections)
+    async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as client:
         tasks = []
         t0 = time.perf_counter()
         for p in prompts:
@@ -201,9 +202,11 @@ def run(args) -> int:
         # prompts from an earlier run.
         prompts = make_text_prompts(args.tokenizer, n, args.input_len, args.seed + 1000 * i)
         if args.request_rate:
-            s = asyncio.run(open_loop(url, args.model, prompts[:n], args.output_len, x, args.seed, args.api_key))
+            s = asyncio.run(open_loop(url, args.model, prompts[:n], args.output_len, x, args.seed, args.api_key,
+                                      args.new_connections))
         else:
-            s = asyncio.run(closed_loop(url, args.model, prompts[:n], args.output_len, x, args.api_key))
+            s = asyncio.run(closed_loop(url, args.model, prompts[:n], args.output_len, x, args.api_key,
+                                        args.new_connections))
         summaries.append(s)
         print(json.dumps(asdict(s)), flush=True)
     report = {"url": url, "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
@@ -230,6 +233,9 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--new-connections", action="store_true",
+                   help="open a new HTTP connection for every request: llama.cpp's llama-server answers a stream "
+                        "with Keep-Alive and then closes the connection, and a request sent on it again fails")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG of throughput and latency vs concurrency")
     p.set_defaults(func=run)
