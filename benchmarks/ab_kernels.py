@@ -15,6 +15,7 @@ the first time). Both builds must pack weights the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from sluice import LLMEngine, SamplingParams
+from sluice.backends.prepare import build_stack
 from sluice.bench.workload import make_prompts
 from sluice.worker import kernels
 
@@ -62,7 +64,7 @@ def main() -> None:
     base, sha = build_at(args.base, engine.backend.isa)
     head = getattr(model, "_greedy_head", None)
     builds = {"tree": (model._stack, head),
-              sha: (model._build_stack(base), None if head is None else (base,) + tuple(head[1:]))}
+              sha: (build_stack(model, base), None if head is None else dataclasses.replace(head, kernels=base))}
     names = list(builds)
     times = {(b, kind): [] for b in names for kind in ("decode", "mixed")}
     execute = engine.runner.execute

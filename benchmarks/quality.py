@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--corpus-prompts", type=int, default=32, help="greedy prompts cut from the corpus")
     ap.add_argument("--variants", default="bfloat16,int8,w8a8,bf16+kv8,w8a8+kv8",
                     help="compared with float32 (+kv8: the int8 KV cache)")
+    ap.add_argument("--cpu-isa", default="auto", help="kernel build for the variants (float32 runs torch's ops)")
     args = ap.parse_args()
     variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
                 "int8": dict(dtype="bfloat16", quantization="int8"),
@@ -93,7 +94,7 @@ def main() -> None:
     tokens, extra_tokens, rows = {}, {}, {}
     reference = None  # the float32 model, kept to score each window beside the variant
     for name, kwargs in variants.items():
-        llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False, **kwargs)
+        llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False, cpu_isa=args.cpu_isa, **kwargs)
         prompts = PROMPTS + [llm.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         extra = make_prompts(llm.tokenizer, args.corpus_prompts, 20, 200, seed=7)

@@ -275,10 +275,10 @@ def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in out
     layer = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    if layer.kernel is not None:  # our C++ kernels: int8 weights packed for small batches
-        assert layer.kernel.q_packed.dtype == torch.int8 and layer.kernel.int8_max_rows >= 1
+    if hasattr(layer.method, "q_packed"):  # our C++ kernels: int8 weights packed for small batches
+        assert layer.method.q_packed.dtype == torch.int8 and layer.method.int8_max_rows >= 1
     else:
-        assert layer.qweight is not None and layer.qweight.dtype.is_floating_point is False
+        assert layer.method.qweight.dtype == torch.int8
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(dtype="float32", quantization="int8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="quantization"):
@@ -295,9 +295,9 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, kernel_isa):
     assert "Paris" in out
     model = llm.engine.runner.model
     layers = model.model.layers
-    assert layers[1].mlp.down_proj.kernel.w8a8.dtype == torch.uint8
-    assert layers[0].mlp.down_proj.kernel.w8a8 is None and layers[-1].self_attn.qkv_proj.kernel.w8a8 is None
-    assert model._kernel_head.w8a8 is None
+    assert layers[1].mlp.down_proj.method.w8a8.dtype == torch.uint8
+    assert layers[0].mlp.down_proj.method.w8a8 is None and layers[-1].self_attn.qkv_proj.method.w8a8 is None
+    assert model.head.w8a8 is None
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(cpu_isa=kernel_isa, dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
 

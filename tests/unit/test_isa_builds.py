@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.models.linear import quantize_per_channel
+from sluice.backends.linear_methods import quantize_per_channel
 from sluice.worker import kernels
 from tests.conftest import KERNEL_ISAS
 

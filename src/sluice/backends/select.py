@@ -5,7 +5,8 @@ From the device, the CPU's features (backends/platform.py), the `cpu_isa` settin
 dtype, the quantization, the KV-cache dtype and deterministic mode it picks:
 
 - the kernel build (worker/kernels: "avx512", "avx2") or none ("generic": torch's ops);
-- the linear method, by name from LINEAR_METHODS (models/linear.py implements them);
+- the linear method, by name from LINEAR_METHODS (backends/linear_methods.py implements
+  them, backends/prepare.py sets them);
 - attention for prompt chunks and decodes, per KV dtype;
 - RMSNorm, SwiGLU, RoPE + cache write, and the LM head / greedy argmax;
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.backends.prepare import prepare as prepare_model
 from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
@@ -76,7 +77,7 @@ class LLMEngine:
         model.eval()
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        model.optimize_for(self.backend, mc.quantization, self.max_model_len)
+        prepare_model(model, self.backend, mc.quantization, self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,

@@ -1,137 +1,20 @@
-"""Linear layers and their methods (the forms backends/select.py names in LINEAR_METHODS).
+"""Linear: an nn.Linear whose multiplication the backend may replace.
 
-`Linear` is an nn.Linear that can be switched, after loading, to
-- our C++ kernels (worker/kernels, AVX-512 or AVX2 build; `use_kernels`): each
-  output reduced over K in one fixed order whatever the number of rows, which makes them
-  batch-invariant (deterministic mode) and, at decode batch sizes, faster than oneDNN
-  (measured 1.1-2.4x at 1-32 rows, equal at 2,048). With int8 weights, steps of at most
-  KERNEL_INT8_MAX_ROWS rows read the int8 weights (half the bytes; decode at small batch
-  is memory-bound) and bigger ones the dequantized bf16 weights; deterministic mode reads
-  the int8 weights at every size, so a row never changes kernel with the batch;
-- a oneDNN prepacked bf16 weight, where our kernels do not run the model (the op
-  inductor's freezing uses);
-- int8 weight-only quantization (`quantize_int8`): symmetric per-output-channel scales;
-  without our kernels, rows of a step at most INT8_MAX_ROWS use torch's int8 matmul;
-- w8a8 (`quantization="w8a8"`, kernels only): the same int8 weights, and activations
-  quantized to int8 per block of 32 inside the kernel (worker/kernels/w8a8.cpp), at every
-  row count.
-Numerics are unchanged where none is used: float32 and GPU keep plain F.linear.
+After loading, backends/prepare.py may set `method`, a callable `method(x, bias)` from
+backends/linear_methods.py (our kernels, int8 weights, a oneDNN prepacked weight); the
+layer itself knows nothing of the hardware.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-# Measured crossovers on a 2-core AVX-512 CPU: torch's int8 matmul wins at 1-2 rows;
-# our int8 kernel at up to ~8 (30 layers: 4.6 vs 7.5 ms at 1 row, 5.1 vs 7.4 at 4, slower at 16).
-INT8_MAX_ROWS = 2
-KERNEL_INT8_MAX_ROWS = 8
-
-
-@dataclass
-class KernelWeight:
-    """One weight matrix packed for the C++ kernels, and how to multiply by it."""
-    kernels: object
-    n: int                               # output features
-    packed: torch.Tensor | None          # bf16/fp32, for kernels.bi_linear
-    q_packed: torch.Tensor | None = None  # int8, for kernels.bi_linear_int8 ...
-    qscale: torch.Tensor | None = None   # ... with its per-column float32 scales
-    int8_max_rows: float = 0
-    w8a8: torch.Tensor | None = None     # int8 for kernels.w8a8_linear, with qscale
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool = False):
-        if self.w8a8 is not None:
-            return self.kernels.w8a8_linear(x, self.w8a8, self.qscale, self.n, bias, out_float32)
-        if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:
-            return self.kernels.bi_linear_int8(x, self.q_packed, self.qscale, self.n, bias, out_float32)
-        return self.kernels.bi_linear(x, self.packed, self.n, bias, out_float32)
-
-
-def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None,
-                  deterministic: bool, w8a8: bool = False) -> KernelWeight:
-    weight = weight.detach()
-    if q is None:
-        return KernelWeight(kernels, weight.shape[0], kernels.bi_pack_weight(weight))
-    qweight, qscale = q
-    if w8a8:  # one kernel at every row count, so batch-invariant whatever the mode
-        return KernelWeight(kernels, weight.shape[0], None, qscale=qscale.float().contiguous(),
-                            w8a8=kernels.w8a8_pack_weight(qweight))
-    return KernelWeight(kernels, weight.shape[0],
-                        None if deterministic else kernels.bi_pack_weight(weight),
-                        kernels.bi_pack_weight_int8(qweight), qscale.float().contiguous(),
-                        float("inf") if deterministic else KERNEL_INT8_MAX_ROWS)
-
-
 class Linear(nn.Linear):
-    packed: torch.Tensor | None = None
-    qweight: torch.Tensor | None = None   # int8 [out, in]
-    qscale: torch.Tensor | None = None    # [out], in the activation dtype
-    kernel: KernelWeight | None = None    # set by use_kernels
+    method = None  # set by the backend; None: F.linear on the weight as loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, self.bias)
-        if self.qweight is not None and x.shape[0] <= INT8_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscale)
-            return y if self.bias is None else y + self.bias
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.method is not None:
+            return self.method(x, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-@torch.no_grad()
-def prepack_linears(model: nn.Module) -> int:
-    """Give every Linear a prepacked weight; returns how many were packed."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-            n += 1
-    return n
-
-
-@torch.no_grad()
-def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: w ~= q * scale, |q| <= 127."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-@torch.no_grad()
-def quantize_int8(model: nn.Module, dtype: torch.dtype) -> int:
-    """Quantize every Linear's weight to int8 in place (the float weight becomes its
-    dequantized value); returns how many layers."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            q, scale = quantize_per_channel(module.weight)
-            module.qweight, module.qscale = q, scale.to(dtype)
-            module.weight.copy_((q.float() * scale[:, None]).to(module.weight.dtype))
-            n += 1
-    return n
-
-
-@torch.no_grad()
-def use_kernels(model: nn.Module, kernels, deterministic: bool, w8a8_except: tuple[str, ...] | None = None) -> int:
-    """Route every Linear through the C++ kernels; returns how many. Quantize first.
-    w8a8_except: None, or w8a8 for every quantized Linear whose name starts with none of
-    these prefixes (the rest keep int8 weights with bf16 activations)."""
-    n = 0
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            q = (module.qweight, module.qscale) if module.qweight is not None else None
-            w8a8 = w8a8_except is not None and not name.startswith(w8a8_except)
-            module.kernel = kernel_weight(kernels, module.weight, q, deterministic, w8a8)
-            module.packed = module.qweight = module.qscale = None
-            n += 1
-    return n

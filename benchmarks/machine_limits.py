@@ -1,0 +1,143 @@
+"""What the cores and memory can do, per ISA build: the ceilings the kernels are judged by.
+
+    python benchmarks/machine_limits.py [--isa avx2|avx512]
+
+- fp32 FMA: GFLOP/s of independent vfmadd231ps chains (12 accumulators), one core and all;
+- int8 dot products as the build does them: AVX2's vpmaddubsw + vpmaddwd + vpaddd (w8a8's
+  inner step) or AVX-512 VNNI's vpdpbusd, in G int8 ops/s (a multiply and an add per
+  byte pair), one core and all;
+- memory: GB/s of reading a 1 GiB buffer with vector loads, all cores.
+Each figure is the best of 5 runs (a ceiling, not a typical value).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+using V = __m512; using VI = __m512i;
+#define LANES 16
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SET1(x) _mm512_set1_ps(x)
+#define LOADI(p) _mm512_loadu_si512(p)
+#else
+using V = __m256; using VI = __m256i;
+#define LANES 8
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SET1(x) _mm256_set1_ps(x)
+#define LOADI(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+#endif
+
+// flops done by `threads` threads, each `iters` x 12 FMAs of LANES lanes.
+double fma_peak(int64_t iters, int threads) {
+  float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    V a[12];
+    for (int i = 0; i < 12; ++i) a[i] = SET1(1.0f + i * 1e-3f);
+    const V m = SET1(0.999999f), c = SET1(1e-7f);
+    for (int64_t it = 0; it < iters; ++it)
+      for (int i = 0; i < 12; ++i) a[i] = FMA(a[i], m, c);
+    float out[LANES];
+    for (int i = 1; i < 12; ++i) a[0] = FMA(a[0], m, a[i]);
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(out, a[0]);
+#else
+    _mm256_storeu_ps(out, a[0]);
+#endif
+    sink += out[0];
+  }
+  if (sink == 12345.f) printf("%f", sink);
+  return 2.0 * LANES * 12 * iters * threads;
+}
+
+// int8 ops (2 per byte product) by `threads` threads, 8 independent accumulators.
+double int8_peak(int64_t iters, int threads) {
+  int64_t sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    alignas(64) int8_t buf[64];
+    for (int i = 0; i < 64; ++i) buf[i] = static_cast<int8_t>(i * 7 - 100);
+    VI w = LOADI(buf), acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = LOADI(buf);
+#if defined(__AVX512F__)
+    const VI x = _mm512_set1_epi32(0x01020304);
+    for (int64_t it = 0; it < iters; ++it)
+      for (int i = 0; i < 8; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
+    for (int i = 1; i < 8; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
+    sink += _mm512_reduce_add_epi32(acc[0]);
+#else
+    const VI x = _mm256_set1_epi32(0x01020304), ones = _mm256_set1_epi16(1);
+    for (int64_t it = 0; it < iters; ++it)
+      for (int i = 0; i < 8; ++i)
+        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), ones));
+    for (int i = 1; i < 8; ++i) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
+    alignas(32) int32_t out[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), acc[0]);
+    sink += out[0];
+#endif
+  }
+  if (sink == 12345) printf("%ld", static_cast<long>(sink));
+  return 2.0 * LANES * 4 * 8 * iters * threads;
+}
+
+// Reads buf (bytes) once with all threads; returns bytes read.
+double read_bw(torch::Tensor buf, int threads) {
+  const int8_t* p = buf.data_ptr<int8_t>();
+  const int64_t n = buf.numel(), step = LANES * 4 * 4;
+  int64_t sink = 0;
+#pragma omp parallel for num_threads(threads) reduction(+ : sink)
+  for (int64_t i = 0; i < n; i += step) {
+    VI a = LOADI(p + i), b = LOADI(p + i + LANES * 4);
+    VI c = LOADI(p + i + 2 * LANES * 4), d = LOADI(p + i + 3 * LANES * 4);
+#if defined(__AVX512F__)
+    sink += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a, b), _mm512_add_epi32(c, d))) & 1;
+#else
+    sink += _mm256_extract_epi32(_mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d)), 0) & 1;
+#endif
+  }
+  if (sink == -1) printf("x");
+  return static_cast<double>(n);
+}
+"""
+
+FLAGS = {"avx512": ["-march=x86-64-v4", "-mavx512vnni"], "avx2": ["-march=x86-64-v3"]}
+
+
+def best_rate(fn, *args) -> float:
+    rates = []
+    for _ in range(5):
+        t = time.perf_counter()
+        work = fn(*args)
+        rates.append(work / (time.perf_counter() - t))
+    return max(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--isa", default="avx2", choices=list(FLAGS))
+    args = ap.parse_args()
+    mod = load_inline(f"sluice_machine_limits_{args.isa}", cpp_sources=SOURCE,
+                      functions=["fma_peak", "int8_peak", "read_bw"],
+                      extra_cflags=["-O2", "-fopenmp", *FLAGS[args.isa]], extra_ldflags=["-fopenmp"])
+    threads = torch.get_num_threads()
+    op = "vpdpbusd" if args.isa == "avx512" else "vpmaddubsw + vpmaddwd + vpaddd"
+    print(f"isa {args.isa}, {threads} threads")
+    for t in sorted({1, threads}):
+        print(f"fp32 FMA, {t} core(s): {best_rate(mod.fma_peak, 20_000_000 // t, t) / 1e9:.0f} GFLOP/s")
+        print(f"int8 {op}, {t} core(s): {best_rate(mod.int8_peak, 20_000_000 // t, t) / 1e9:.0f} G int8 ops/s")
+    buf = torch.ones(2**30, dtype=torch.int8)
+    print(f"memory read, {threads} cores: {best_rate(mod.read_bw, buf, threads) / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

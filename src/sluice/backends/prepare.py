@@ -1,0 +1,122 @@
+"""Sets a loaded model up as the backend plan says (backends/select.py decides; this
+module carries it out): quantizes its weights, gives each Linear its method, the norms,
+SwiGLU and RoPE their ops, and builds the LM head and the fast paths our kernels have
+(the greedy head, the whole decoder stack in one C++ call). It knows the decoder layout
+of models/llama.py (the Llama family); the model itself never looks at the hardware.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from sluice.backends.linear_methods import (Int8Weight, PackedWeight, kernel_weight, prepack_linears, prepack_weight,
+                                            quantize_int8, quantize_per_channel, use_kernels)
+from sluice.backends.ops import KernelOps
+
+# Tokens per row that the greedy fast path rescores exactly (GreedyHead).
+GREEDY_CANDIDATES = 16
+
+
+@dataclass
+class GreedyHead:
+    """The argmax of the bf16 LM head per row, fast: the head runs in int8 x int8 (w8a8,
+    ~0.6x the time of the bf16 head at 32 rows and ~0.3x at one) and its GREEDY_CANDIDATES
+    best tokens per row are rescored with the bf16 head's own arithmetic (the same bits);
+    the best of those is the answer. That is the full head's argmax unless int8 rounding
+    pushed the true best below GREEDY_CANDIDATES others (not seen in benchmarks/quality.py's
+    runs)."""
+    kernels: object
+    w8a8: torch.Tensor       # the head's int8 weights, packed for w8a8_linear
+    scale: torch.Tensor      # their per-row scales
+    packed: torch.Tensor     # the bf16 head, packed for bi_linear
+    vocab_size: int
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        approx = self.kernels.w8a8_linear(hidden, self.w8a8, self.scale, self.vocab_size, None, True)
+        return self.kernels.greedy_head(approx, hidden, self.packed, GREEDY_CANDIDATES)
+
+
+@torch.no_grad()
+def prepare(model, plan, quantization: str | None = None, max_positions: int | None = None) -> None:
+    """Quantize if asked, then run every linear layer, RMSNorm, SwiGLU and RoPE through the
+    plan's kernels, or prepack the weights for oneDNN. Deterministic mode also fixes the
+    RoPE values."""
+    int8_head = None
+    if quantization in ("int8", "w8a8"):  # the same int8 weights; w8a8 also quantizes activations
+        quantize_int8(model, plan.dtype)
+        if model.lm_head is None:
+            # Tied head: an int8 copy for the head; the embedding table stays as loaded.
+            q, scale = quantize_per_channel(model.model.embed_tokens.weight)
+            int8_head = (q, scale.to(plan.dtype))
+    elif quantization is not None:
+        raise ValueError(f"quantization must be None, 'int8' or 'w8a8', got {quantization!r}")
+    if plan.model_kernels is not None:
+        _use_kernels(model, plan.model_kernels, plan.deterministic,
+                     max_positions or model.arch.max_position_embeddings, plan.linear == "kernels-w8a8",
+                     plan.head == "kernels-greedy-w8a8", int8_head)
+        return
+    prepack = plan.linear.endswith("onednn-bf16")
+    if prepack:
+        prepack_linears(model)
+    if model.lm_head is not None:
+        model.head = model.lm_head
+        return
+    # Tied head: a packed copy beside the embedding table, and/or its int8 copy.
+    emb = model.model.embed_tokens.weight.detach()
+    packed = PackedWeight(prepack_weight(emb)) if prepack else None
+    model.head = Int8Weight(*int8_head, emb, packed) if int8_head is not None else packed
+
+
+def _use_kernels(model, k, deterministic: bool, max_positions: int, w8a8: bool, greedy_head: bool,
+                 int8_head) -> None:
+    # w8a8 everywhere but the LM head and the first and last decoder layers, which keep
+    # bf16 activations: on SmolLM2 int8 activations in the head took the KL divergence
+    # from float32 from 0.006 to 0.009, and in the two end layers from 0.0054 to 0.0063
+    # (and flipped the answer to "What is the capital of France?"), for ~1% of the speed.
+    last = len(model.model.layers) - 1
+    use_kernels(model, k, deterministic, ("lm_head", "model.layers.0.", f"model.layers.{last}.") if w8a8 else None)
+    if model.lm_head is None:  # tied head: its own packed copy of the embedding table
+        head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, deterministic)
+    else:
+        head = model.lm_head.method
+    model.head = dataclasses.replace(head, logits=True)  # float32 logits
+    if greedy_head and head.packed is not None:
+        # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
+        q, scale = quantize_per_channel(model.head_weight())
+        model._greedy_head = GreedyHead(k, k.w8a8_pack_weight(q), scale.float().contiguous(), head.packed,
+                                        model.arch.vocab_size)
+    ops = KernelOps(k)
+    for module in model.modules():
+        if hasattr(type(module), "ops"):
+            module.ops = ops
+    if not model.arch.qk_norm:
+        model._stack = build_stack(model, k)
+    if deterministic:
+        # One cos/sin table for every position, built once: computing them per batch runs
+        # cos/sin over a tensor whose length depends on the batch, and vectorised and
+        # scalar-tail elements of such kernels may round differently.
+        positions = torch.arange(max_positions, device=model.inv_freq.device)
+        cos, sin = model.rope(positions, model.model.embed_tokens.weight.dtype)
+        model._rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
+
+
+def build_stack(model, k):
+    """The decoder layers as one kernels.DecoderStack: the same kernels in the same order
+    as the model's Python loop over its layers."""
+    def linear(module):
+        w = module.method
+        bias = None if module.bias is None else module.bias.detach()
+        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8)
+
+    a = model.arch
+    first = model.model.layers[0].self_attn
+    stack = k.DecoderStack(a.num_heads, a.num_kv_heads, a.head_dim, first.scale, model.model.norm.eps,
+                           model.model.norm.weight.detach())
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        stack.add_layer(linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
+                        linear(mlp.down_proj), layer.input_layernorm.weight.detach(),
+                        layer.post_attention_layernorm.weight.detach())
+    return stack
