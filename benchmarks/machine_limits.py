@@ -89,7 +89,9 @@ double int8_peak(int64_t iters, int threads) {
     const VI x = _mm256_set1_epi32(0x01020304), ones = _mm256_set1_epi16(1);
     VI w0 = w, w1 = w, w2 = w, w3 = w, w4 = w, w5 = w;
     VI a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5];
-#define SL_STEP(a, wv) asm volatile("" : "+x"(wv)); a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(x, wv), ones));
+#define SL_STEP(a, wv) \
+  asm volatile("" : "+x"(wv)); \
+  a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(x, wv), ones));
     for (int64_t it = 0; it < iters; ++it) {
       SL_STEP(a0, w0) SL_STEP(a1, w1) SL_STEP(a2, w2) SL_STEP(a3, w3) SL_STEP(a4, w4) SL_STEP(a5, w5)
     }
