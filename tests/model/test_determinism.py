@@ -107,10 +107,10 @@ def crowd_mismatches(engine: LLMEngine, solo: dict[str, tuple], trials: int, see
 
 
 @pytest.fixture(scope="module")
-def det_engine(kernel_isa):
-    """Deterministic mode on each kernel build this CPU runs. 40 blocks of 16 tokens: a
-    crowd of 30 overflows it, forcing preemption and recompute."""
-    return LLMEngine.from_kwargs(deterministic=True, num_blocks=40, max_model_len=512, cpu_isa=kernel_isa)
+def det_engine(best_kernel_isa):
+    """Deterministic mode on the best kernel build this CPU runs (conftest). 40 blocks of
+    16 tokens: a crowd of 30 overflows it, forcing preemption and recompute."""
+    return LLMEngine.from_kwargs(deterministic=True, num_blocks=40, max_model_len=512, cpu_isa=best_kernel_isa)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +141,12 @@ def test_default_mode_is_not_batch_invariant_report(record_property):
     assert runs > 0
 
 
-def test_same_bits_in_another_process(det_engine, det_solo, kernel_isa):
+def test_same_bits_in_another_process(det_engine, det_solo, best_kernel_isa):
     code = textwrap.dedent(f"""
         import json
         from sluice import LLMEngine
         from tests.model.test_determinism import PROBES, probe_params, run_alone, signature
-        e = LLMEngine.from_kwargs(deterministic=True, num_blocks=40, max_model_len=512, cpu_isa={kernel_isa!r})
+        e = LLMEngine.from_kwargs(deterministic=True, num_blocks=40, max_model_len=512, cpu_isa={best_kernel_isa!r})
         out = {{s: signature(run_alone(e, "x", PROBES[3], probe_params(3, s == "1"))) for s in ("0", "1")}}
         print(json.dumps({{s: [list(sig[0]), [[list(x) for x in step] for step in sig[1]]]
                           for s, sig in out.items()}}))

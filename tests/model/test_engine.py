@@ -285,11 +285,11 @@ def test_int8_quantization_runs_and_rejects_float32(smollm2_source):
         LLM(quantization="int4", kv_cache_memory=0.1)
 
 
-def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, kernel_isa):
+def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, best_kernel_isa):
     """int8 weights times int8 activations in the decoder layers; the LM head and the first
     and last layers keep bf16 activations (int8 ones there cost the most accuracy). (Its
     refusal on CPUs without AVX-512 VNNI: tests/unit/test_platform.py.)"""
-    llm = LLM(cpu_isa=kernel_isa, dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
+    llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", quantization="w8a8", kv_cache_memory=0.1)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in out
@@ -299,7 +299,7 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, kernel_isa):
     assert layers[0].mlp.down_proj.method.w8a8 is None and layers[-1].self_attn.qkv_proj.method.w8a8 is None
     assert model.head.w8a8 is None
     with pytest.raises(ValueError, match="bfloat16"):
-        LLM(cpu_isa=kernel_isa, dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
+        LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
 
 
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -307,13 +307,13 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
                 "Translate 'good morning' to Spanish.", "What is 12 times 11?", "Name a famous painter."]
 
 
-def test_int8_kv_cache_on_the_default_model(smollm2_source, kernel_isa):
+def test_int8_kv_cache_on_the_default_model(smollm2_source, best_kernel_isa):
     """kv_cache_dtype='int8': ~1.9x the blocks in the same memory, greedy answers that
     track the bf16 cache's, nothing leaked; it needs bfloat16 and our kernels."""
     chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     outs, blocks = {}, {}
     for kv in ("auto", "int8"):
-        llm = LLM(cpu_isa=kernel_isa, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=0.1)
+        llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=0.1)
         outs[kv] = [o.outputs[0].token_ids for o in llm.chat(chats, SamplingParams(temperature=0, max_tokens=32))]
         blocks[kv] = llm.engine.runner.num_blocks
         assert_all_blocks_free(llm)
@@ -326,11 +326,11 @@ def test_int8_kv_cache_on_the_default_model(smollm2_source, kernel_isa):
     # Measured: 8, 32, 23, 32, 26, 9, 15, 32 tokens in common of 32.
     assert sum(agreeing(a, b) >= 8 for a, b in zip(outs["auto"], outs["int8"])) >= 6
     with pytest.raises(ValueError, match="bfloat16"):
-        LLM(cpu_isa=kernel_isa, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=0.1)
+        LLM(cpu_isa=best_kernel_isa, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(cpu_isa=kernel_isa, kv_cache_dtype="fp8", kv_cache_memory=0.1)
+        LLM(cpu_isa=best_kernel_isa, kv_cache_dtype="fp8", kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="multiple of 16"):
-        LLM(cpu_isa=kernel_isa, kv_cache_dtype="int8", block_size=8, kv_cache_memory=0.1)
+        LLM(cpu_isa=best_kernel_isa, kv_cache_dtype="int8", block_size=8, kv_cache_memory=0.1)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -127,6 +127,14 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
         shutil.copytree(src, d, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
     assert kernels.build_key("avx2", a) == kernels.build_key("avx2", b) == kernels.build_key("avx2", src)
     assert kernels.build_key("avx2", a) != kernels.build_key("avx512", a)
+    # Another virtualenv's torch (its headers' path is in the compiler command): another build.
+    import torch
+    real, here = torch.__file__, kernels.build_key("avx2", a)
+    try:
+        torch.__file__ = str(tmp_path / "other-venv" / "torch" / "__init__.py")
+        assert kernels.build_key("avx2", a) != here
+    finally:
+        torch.__file__ = real
     (b / "avx2" / "avx512_on_avx2.h").write_text((b / "avx2" / "avx512_on_avx2.h").read_text() + "\n")
     assert kernels.build_key("avx2", b) != kernels.build_key("avx2", a)
     # Staging rewrites only what differs, so the build tool sees unchanged files as unchanged.

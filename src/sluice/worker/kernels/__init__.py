@@ -7,11 +7,12 @@ build machine (-march=native), so a build is right for every CPU of its variant.
 
 Which variant runs is decided by backends/ (the CPU's features and the `cpu_isa`
 setting); this module builds and loads the one asked for. Each build is cached by
-variant and by the content of the sources, flags and torch version: a cache shared by
-machines of different kinds never loads AVX-512 code on an AVX2 CPU, and two checkouts
-of the same sources share one build (of different sources, two builds) instead of
-rebuilding each other's at every start. Sources are staged into the build folder, so the
-compiler commands do not depend on where the checkout is.
+variant, by the content of the sources, the flags and the torch installation: a cache
+shared by machines of different kinds never loads AVX-512 code on an AVX2 CPU, and two
+checkouts (or virtualenvs) never rebuild each other's kernels at every start: the same
+sources with the same torch share one build, anything else gets its own. Sources are
+staged into the build folder, so the compiler commands do not depend on where the
+checkout is.
 
 If a compiler is missing or the build fails, `load()` returns None (logged) and the
 backend layer falls back to torch's own ops.
@@ -57,10 +58,13 @@ def _files(source_dir: Path) -> list[Path]:
 
 def build_key(variant: str, source_dir: Path = _DIR) -> str:
     """12 hex digits over everything a build depends on: its variant's flags, the torch
-    version, and the names and bytes of every source and header."""
+    it compiles against (version and install folder: the compiler command names torch's
+    headers by path, so two virtualenvs sharing one build folder would rebuild each
+    other's at every start), and the names and bytes of every source and header."""
     import torch
     h = hashlib.sha256()
-    h.update(repr((variant, VARIANTS[variant], _COMMON_CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    h.update(repr((variant, VARIANTS[variant], _COMMON_CFLAGS, torch.__version__, os.path.dirname(torch.__file__),
+                   sys.version_info[:2])).encode())
     for rel in _files(source_dir):
         h.update(str(rel).encode() + b"\0" + (source_dir / rel).read_bytes() + b"\0")
     return h.hexdigest()[:12]
