@@ -156,7 +156,8 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference with continuous batching")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="INFO",
+                        help="INFO (default) logs the start: the backend plan, the KV cache, the load time")
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
