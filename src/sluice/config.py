@@ -137,14 +137,5 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
         # Modes this CPU cannot run, and modes that only run in bfloat16 on the CPU: refused
         # here, before any kernel is built or weight loaded (backends/select.py).
-        from sluice.backends.select import auto_dtype, check
-        isa = check(m.device, m.cpu_isa, m.quantization, c.kv_cache_dtype, m.deterministic)
-        dtype = resolve_dtype(m.dtype, m.device) if m.dtype != "auto" else auto_dtype(m.device, isa)
-        if dtype != torch.bfloat16 or not m.device.startswith("cpu"):
-            got = f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}"
-            if m.dtype == "auto":
-                got += " (what dtype='auto' picks here; ask for dtype='bfloat16')"
-            for mode, on in ((f"quantization={m.quantization!r}", m.quantization is not None),
-                             ("kv_cache_dtype='int8'", c.kv_cache_dtype == "int8")):
-                if on:
-                    raise ValueError(f"{mode} needs dtype bfloat16 on the CPU; got {got}")
+        from sluice.backends.select import check, model_dtype
+        model_dtype(m, c.kv_cache_dtype, check(m.device, m.cpu_isa, m.quantization, c.kv_cache_dtype, m.deterministic))

@@ -109,10 +109,27 @@ def auto_dtype(device: str, isa: str) -> torch.dtype:
     return torch.bfloat16 if cpu().onednn_bf16 and "avx512_bf16" in cpu().flags else torch.float32
 
 
+def model_dtype(model_config, kv_cache_dtype: str, isa: str) -> torch.dtype:
+    """The dtype the model runs in ('auto' resolved for kernel build `isa`), or a one-line
+    ValueError for a mode that dtype cannot run."""
+    from sluice.config import resolve_dtype
+    m = model_config
+    dtype = auto_dtype(m.device, isa) if m.dtype == "auto" else resolve_dtype(m.dtype, m.device)
+    if m.deterministic and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"deterministic mode supports float32 and bfloat16, not {dtype}")
+    if (m.quantization is not None or kv_cache_dtype == "int8") and not (m.device.startswith("cpu")
+                                                                         and dtype == torch.bfloat16):
+        got = f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}"
+        if m.dtype == "auto":
+            got += " (what dtype='auto' picks here; ask for dtype='bfloat16')"
+        mode = f"quantization={m.quantization!r}" if m.quantization is not None else "kv_cache_dtype='int8'"
+        raise ValueError(f"{mode} needs dtype bfloat16 on the CPU; got {got}")
+    return dtype
+
+
 def select(model_config, cache_config) -> BackendPlan:
     """The plan for this engine; loads (building on first use) the kernels it needs.
     Raises ValueError, before any weight is loaded, for what cannot run here."""
-    from sluice.config import resolve_dtype
     m, kv = model_config, cache_config.kv_cache_dtype
     isa = check(m.device, m.cpu_isa, m.quantization, kv, m.deterministic)
     k = None
@@ -125,10 +142,7 @@ def select(model_config, cache_config) -> BackendPlan:
                                  f"what works here: {instead}")
             logger.warning("sluice's C++ kernels (%s) did not build; torch's own ops run every layer", isa)
             isa = "generic"
-    dtype = resolve_dtype(m.dtype, m.device) if m.dtype != "auto" else auto_dtype(m.device, isa)
-    on_cpu = m.device.startswith("cpu")
-    if m.deterministic and (dtype not in (torch.float32, torch.bfloat16)):
-        raise ValueError(f"deterministic mode supports float32 and bfloat16, not {dtype}")
+    dtype = model_dtype(m, kv, isa)
     # The kernels run the model's layers in bf16 (where they beat oneDNN at decode batch
     # sizes, and are the only bf16 path on CPUs without AVX-512) and, in deterministic
     # mode, in float32 too; float32 otherwise keeps torch's ops, the reference numerics of
@@ -142,18 +156,12 @@ def select(model_config, cache_config) -> BackendPlan:
         head = "kernels" if m.deterministic else "kernels-greedy-w8a8"
     else:
         from sluice.backends.platform import cpu
-        prepack = on_cpu and dtype == torch.bfloat16 and cpu().onednn_bf16
+        prepack = m.device.startswith("cpu") and dtype == torch.bfloat16 and cpu().onednn_bf16
         linear = {(None, False): "torch", (None, True): "onednn-bf16", ("int8", False): "torch-int8",
                   ("int8", True): "torch-int8+onednn-bf16"}.get((m.quantization, prepack), "torch")
         attention = "kernels-decode+sdpa" if k is not None else "torch-matmul-decode+sdpa"
         norm = rope = "torch"
         head = linear
-    if (m.quantization is not None or kv == "int8") and not (on_cpu and dtype == torch.bfloat16):
-        got = f"dtype={str(dtype).removeprefix('torch.')} on {m.device!r}"
-        if m.dtype == "auto":
-            got += " (what dtype='auto' picks here; ask for dtype='bfloat16')"
-        mode = f"quantization={m.quantization!r}" if m.quantization is not None else "kv_cache_dtype='int8'"
-        raise ValueError(f"{mode} needs dtype bfloat16 on the CPU; got {got}")
     plan = BackendPlan(device=m.device, isa=isa, kernels=k, dtype=dtype, linear=linear, attention=attention,
                        kv_cache_dtype=kv, norm=norm, rope=rope, head=head, deterministic=m.deterministic)
     logger.info("%s", plan.line())

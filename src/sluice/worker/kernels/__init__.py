@@ -155,9 +155,9 @@ def _build_lock(build_dir: Path):
 def load(variant: str | None = None):
     """The kernels of `variant` ("avx512", "avx2"), by default the best this CPU runs;
     None where there is none or the build failed (logged)."""
-    if variant is None:
+    if variant is None:  # one cached load per variant, however it was asked for
         from sluice.backends.platform import cpu
-        variant = cpu().best_isa
+        return load(cpu().best_isa)
     if variant not in VARIANTS:
         return None
     try:
