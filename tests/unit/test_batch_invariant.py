@@ -91,6 +91,24 @@ def test_w8a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
         assert torch.equal(k.w8a8_linear(x[s:s + m], packed, scale, n, b, True), full[s:s + m]), (s, m)
 
 
+def test_w8a8_extreme_values_and_range(k):
+    """Weights and activations at +-127 (the sign trick's and vpdpbusd's edges) sum exactly;
+    -128, which the AVX2 build's vpsignb cannot negate, is refused at packing."""
+    kdim, n = 96, 32
+    q = torch.full((n, kdim), 127, dtype=torch.int8)
+    q[::2] = -127
+    q[:, ::3] *= -1
+    x = torch.ones(5, kdim, dtype=torch.bfloat16)
+    x[:, 1::2] = -1
+    y = k.w8a8_linear(x, k.w8a8_pack_weight(q), torch.ones(n), n, None, True)
+    ref = (x.float().sign() * 127) @ q.float().T / 127  # x quantizes to +-127, scale 1 / 127
+    assert torch.allclose(y, ref, rtol=0, atol=1e-3)
+    bad = q.clone()
+    bad[3, 5] = -128
+    with pytest.raises(RuntimeError, match="-127..127"):
+        k.w8a8_pack_weight(bad)
+
+
 def test_torch_matmul_is_not_row_invariant():
     """Why the kernels exist: the library matmul's result for a row changes with the batch."""
     g = torch.Generator().manual_seed(0)

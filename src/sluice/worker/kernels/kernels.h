@@ -20,10 +20,13 @@ torch::Tensor float_or_empty(const c10::optional<torch::Tensor>& t);
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
                           c10::optional<torch::Tensor> bias, bool out_float32);
 // Activations as linear_w8a8 quantizes them (w8a8.cpp): [M, K padded to 32] int8, one
-// scale per block of 32, and each row's correction for the +128 weight offset.
+// scale per block of 32, and each row's correction for the +128 weight offset. The AVX2
+// build also keeps |q| and 128 * each block's sum of q (qabs, boff: its dot products'
+// operands, made once per row); the AVX-512 build leaves them undefined.
 struct W8A8Rows {
   torch::Tensor q, scales, corr;
   int64_t K = 0;
+  torch::Tensor qabs, boff;
 };
 W8A8Rows w8a8_rows(int64_t M, int64_t K, const torch::TensorOptions& options);
 // Quantizes one bf16 row of K values into row r.

@@ -130,6 +130,7 @@ SL_INLINE sl512_ps sl512_abs_ps(sl512_ps a) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
 }
+SL_INLINE sl512_si sl512_abs_epi32(sl512_si a) { return {_mm256_abs_epi32(a.lo), _mm256_abs_epi32(a.hi)}; }
 SL_INLINE sl512_ps sl512_roundscale_ps(sl512_ps a, const int imm) {  // scale 0 only (imm < 16)
   return {_mm256_round_ps(a.lo, imm & 0xF), _mm256_round_ps(a.hi, imm & 0xF)};
 }
@@ -378,6 +379,8 @@ SL_INLINE __m256i sl512_mask_i64gather_epi32(__m256i src, uint8_t m, sl512_si in
 #define _mm512_fmadd_ps sl512_fmadd_ps
 #undef _mm512_abs_ps
 #define _mm512_abs_ps sl512_abs_ps
+#undef _mm512_abs_epi32
+#define _mm512_abs_epi32 sl512_abs_epi32
 #undef _mm512_roundscale_ps
 #define _mm512_roundscale_ps sl512_roundscale_ps
 #undef _mm512_scalef_ps
