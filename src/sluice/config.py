@@ -79,11 +79,33 @@ CPU_MAX_NUM_BATCHED_TOKENS = 256
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "program", "fair")
+
+
 @dataclass
 class SchedulerConfig:
     # None: CPU_MAX_NUM_BATCHED_TOKENS on a CPU, GPU_MAX_NUM_BATCHED_TOKENS elsewhere.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
+    # Who is admitted (and preempted) first: fcfs, priority, program or fair (see
+    # core/scheduler.py's docstring).
+    policy: str = "fcfs"
+    # `program`: a call waiting this long goes ahead of every call that has not.
+    starvation_s: float = 30.0
+    # Sessions (core/sessions.py): a call's blocks stay pinned this long after it ends
+    # until the session has shown the gaps between its calls (then the TTL follows them),
+    # at most session_ttl_max_s; 0 pins nothing. Pins take at most max_pinned_fraction of
+    # the KV cache; at most max_sessions are remembered (the longest idle dropped).
+    session_ttl_s: float = 30.0
+    session_ttl_max_s: float = 300.0
+    max_pinned_fraction: float = 0.5
+    max_sessions: int = 10000
+    # `fair`: tenant name -> weight (default 1): a tenant of weight 2 gets twice the
+    # token service of a tenant of weight 1 when both are backlogged.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    # A step-time (so TPOT) target in ms: each step's token budget is sized from measured
+    # step times to hold it (core/latency_target.py); None: the fixed budget.
+    target_tpot_ms: float | None = None
 
 
 @dataclass
@@ -123,6 +145,22 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         if s.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {s.policy!r}")
+        if not s.starvation_s > 0:
+            raise ValueError(f"starvation_s must be > 0 seconds, got {s.starvation_s}")
+        if not 0 <= s.session_ttl_s <= s.session_ttl_max_s:
+            raise ValueError(f"session_ttl_s must be in [0, session_ttl_max_s={s.session_ttl_max_s}], "
+                             f"got {s.session_ttl_s}")
+        if not 0 <= s.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {s.max_pinned_fraction}")
+        if s.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {s.max_sessions}")
+        if s.target_tpot_ms is not None and not s.target_tpot_ms > 0:
+            raise ValueError(f"target_tpot_ms must be > 0 ms, got {s.target_tpot_ms}")
+        for name, w in s.tenant_weights.items():
+            if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                raise ValueError(f"tenant_weights must map tenant names to weights > 0; got {name!r}: {w!r}")
         if c.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
         if c.kv_cache_dtype == "int8" and c.block_size % 16:

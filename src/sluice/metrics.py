@@ -9,6 +9,12 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+# Per-tenant series: the first MAX_TENANT_LABELS tenants seen get a label of their own,
+# later ones share "other", so a client inventing `user` values cannot grow /metrics
+# without bound. The shared tenant ("") is "default".
+MAX_TENANT_LABELS = 32
+
+
 def _delta(count: int, seen: int) -> int:
     """New events of a count last seen at `seen` (all of it if the count restarted)."""
     return count - seen if count >= seen else count
@@ -47,9 +53,45 @@ class Metrics:
                                      labels, registry=r)
         self.cached_blocks = Gauge("sluice_prefix_cache_blocks", "KV blocks holding a cached prefix",
                                    labels, registry=r)
+        tl = labels + ["tenant"]
+        self.tenant_requests = Counter("sluice_tenant_requests_finished", "Finished requests per tenant", tl,
+                                       registry=r)
+        self.tenant_prompt_tokens = Counter("sluice_tenant_prompt_tokens", "Prompt tokens per tenant", tl, registry=r)
+        self.tenant_generation_tokens = Counter("sluice_tenant_generation_tokens", "Generated tokens per tenant", tl,
+                                                registry=r)
+        self.tenant_ttft = Histogram("sluice_tenant_time_to_first_token_seconds", "Arrival to first token, per tenant",
+                                     tl, buckets=_LATENCY, registry=r)
+        self.tenant_e2e = Histogram("sluice_tenant_e2e_request_latency_seconds", "Arrival to finish, per tenant", tl,
+                                    buckets=_LATENCY, registry=r)
+        self.pinned_blocks = Gauge("sluice_session_pinned_blocks", "KV blocks pinned for sessions between calls",
+                                   labels, registry=r)
+        self.sessions = Gauge("sluice_sessions", "Sessions remembered", labels, registry=r)
+        self.session_events = Counter("sluice_session_events", "Session pins and their ends: pinned (a call ended "
+                                      "and pinned its KV), hit (a call found its pin), expired (TTL), released "
+                                      "(DELETE), evicted_for_cap, evicted_for_room (a running request needed the "
+                                      "blocks)", labels + ["event"], registry=r)
+        self.tpot_target = Gauge("sluice_tpot_target_seconds", "The step-time target (--target-tpot-ms), 0: none",
+                                 labels, registry=r)
+        self.tpot_target_misses = Counter("sluice_tpot_target_misses", "Steps with decodes that took longer than "
+                                          "the target", labels, registry=r)
+        self.tpot_target_steps = Counter("sluice_tpot_target_decode_steps", "Steps with decodes, under a target",
+                                         labels, registry=r)
+        self.step_budget = Gauge("sluice_step_token_budget", "Token budget of the last step", labels, registry=r)
+        self._misses_seen = 0
+        self._decode_steps_seen = 0
+        self._tenant_labels: set[str] = set()
+        self._session_seen: dict[str, int] = {}
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
+
+    def tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenant_labels:
+            return tenant or "default"
+        if len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant or "default"
+        return "other"
 
     def observe_step(self, engine, outputs, seconds: float) -> None:
         """Called by the engine thread after every step."""
@@ -68,13 +110,35 @@ class Metrics:
             sched.num_preemptions, kv.query_tokens, kv.hit_tokens)
         self.prefix_hit_rate.labels(m).set(kv.hit_tokens / kv.query_tokens if kv.query_tokens else 0.0)
         self.cached_blocks.labels(m).set(kv.num_cached_blocks)
+        self.step_budget.labels(m).set(sched.last_budget)
+        sm = sched.step_model
+        self.tpot_target.labels(m).set(sm.target_s if sm is not None else 0.0)
+        if sm is not None:
+            self.tpot_target_misses.labels(m).inc(_delta(sm.misses, self._misses_seen))
+            self.tpot_target_steps.labels(m).inc(_delta(sm.decode_steps, self._decode_steps_seen))
+            self._misses_seen, self._decode_steps_seen = sm.misses, sm.decode_steps
+        st = sched.sessions.stats
+        self.pinned_blocks.labels(m).set(sched.sessions.num_pinned)
+        self.sessions.labels(m).set(len(sched.sessions.sessions))
+        for event, count in (("pinned", st.pinned_calls), ("hit", st.hits), ("expired", st.expired),
+                             ("released", st.released), ("evicted_for_cap", st.evicted_for_cap),
+                             ("evicted_for_room", st.evicted_for_room)):
+            self.session_events.labels(m, event).inc(_delta(count, self._session_seen.get(event, 0)))
+            self._session_seen[event] = count
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
 
     def observe_request(self, arrival: float, first_scheduled: float | None, first_token: float | None,
-                        num_prompt: int, num_output: int, reason: str | None) -> None:
+                        num_prompt: int, num_output: int, reason: str | None, tenant: str = "") -> None:
         """Called once per finished request (per sample for n > 1)."""
         m, now = self.model_name, time.monotonic()
+        t = self.tenant_label(tenant)
+        self.tenant_requests.labels(m, t).inc()
+        self.tenant_prompt_tokens.labels(m, t).inc(num_prompt)
+        self.tenant_generation_tokens.labels(m, t).inc(num_output)
+        self.tenant_e2e.labels(m, t).observe(now - arrival)
+        if first_token is not None:
+            self.tenant_ttft.labels(m, t).observe(first_token - arrival)
         self.prompt_tokens.labels(m).inc(num_prompt)
         self.generation_tokens.labels(m).inc(num_output)
         self.requests.labels(m, reason or "unknown").inc()

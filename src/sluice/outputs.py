@@ -42,6 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the request was ended by a failure inside the engine (finish_reason "error").
     error: str | None = None
+    tenant: str = ""             # who it was served for (LLMEngine.add_request)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,8 +37,17 @@ class Logprob:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, share_key: str | None = None):
+                 cache_salt: str | None = None, share_key: str | None = None,
+                 session_id: str | None = None, tenant: str = "", priority: int = 0):
         self.request_id = request_id
+        # Scheduling (core/sessions.py): the agent program this call belongs to, the
+        # tenant it is served for (fair shares; also the namespace of its session id), and
+        # its priority (lower first, under the `priority` policy).
+        self.session_id = session_id
+        self.tenant = tenant
+        self.priority = priority
+        self.session = None          # its core.sessions.Session, while queued or running
+        self.served_tokens = 0       # tokens computed for it (its program's service, sessionless)
         # Prefix caching: blocks are only shared between requests with the same salt;
         # share_key (the parent id of n > 1 samples) lets siblings share with caching off.
         self.cache_salt = cache_salt

@@ -77,13 +77,16 @@ class KVCacheManager:
 
     # -- hashing --------------------------------------------------------------
     def _hashing(self, request: Request) -> bool:
-        return self.enable_caching or request.share_key is not None
+        return self.enable_caching or request.share_key is not None or request.session_id is not None
 
     def _salt(self, request: Request) -> bytes:
-        # With caching off only a request's own samples may share (salt = the parent id).
+        # With caching off only a request's own samples may share (salt = the parent id),
+        # and a session's calls with each other (salt = its tenant and id).
         parts = [request.cache_salt or ""]
         if not self.enable_caching:
             parts.append(request.share_key or "")
+            if request.session_id is not None:
+                parts.append(f"session\x00{request.tenant}\x00{request.session_id}")
         return "\x00".join(parts).encode() if any(parts) else b""
 
     def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -117,6 +120,11 @@ class KVCacheManager:
         self.hit_tokens += len(found) * self.block_size
         return CachedPrefix(tuple(found), len(found) * self.block_size)
 
+    def new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks an allocate() of num_new_tokens (no cached prefix) would take."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        return max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - held)
+
     def allocate(self, request: Request, num_new_tokens: int,
                  prefix: CachedPrefix = _NO_PREFIX) -> KVAllocation | None:
         """Room for the request's next num_new_tokens tokens (after its computed tokens and
@@ -147,6 +155,19 @@ class KVCacheManager:
                         self.pool.cache(blocks[i], hashes[i])
                 self.req_num_named[request.request_id] = full
         return KVAllocation(tuple(b.block_id for b in prefix.blocks), tuple(b.block_id for b in new))
+
+    def computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The leading run of the request's full blocks whose K/V is computed and which are
+        named by their content: what a later request with the same tokens finds as its
+        cached prefix (a lookup stops at the first block it cannot find)."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        full = min(request.num_computed_tokens // self.block_size, self.req_num_named.get(request.request_id, 0))
+        out = []
+        for b in blocks[:full]:
+            if b.block_hash is None:
+                break
+            out.append(b)
+        return out
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -4,9 +4,24 @@ There is no prefill phase. Every request has tokens (prompt + outputs) and a cou
 computed tokens; each step the scheduler lets computed tokens catch up, decodes first,
 then prefill chunks of running requests, then new admissions from the waiting queue,
 all under `max_num_batched_tokens`. A prompt bigger than what is left of the budget is
-split over steps (chunked prefill). When the KV pool runs dry, the most recently
-admitted running request is preempted: its blocks are freed and it is requeued at the
-front, to be recomputed from its tokens later.
+split over steps (chunked prefill). When the KV pool runs dry, pinned session blocks
+are released first (core/sessions.py), then a running request is preempted: its blocks
+are freed and it is requeued, to be recomputed from its tokens later.
+
+Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.policy):
+  fcfs      arrival order; a preempted request goes back to the front; the most recently
+            admitted is preempted.
+  priority  the lowest `priority` value first, ties by arrival (vLLM's semantics); the
+            highest value, latest arrival, is preempted.
+  program   Autellix's PLAS: the call whose program (session) has had the least service so
+            far (tokens computed for all its calls) first, ties by arrival; a call waiting
+            longer than starvation_s goes ahead of all that have not waited as long; the
+            running call of the most-served program is preempted. A call without a session
+            is a program of its own.
+  fair      VTC: the waiting request of the tenant with the lowest counter (weighted tokens
+            served / weight) first, in arrival order within a tenant; the running request of
+            the tenant with the highest counter is preempted.
+Sessions (pinned KV between calls) work under every policy.
 """
 from __future__ import annotations
 
@@ -16,6 +31,8 @@ from dataclasses import dataclass, field
 
 from sluice.config import SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.latency_target import StepTimeModel
+from sluice.core.sessions import SessionTable, TenantCounters
 from sluice.request import Logprob, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 
@@ -80,25 +97,91 @@ class StepUpdate:
 
 class Scheduler:
     def reset_prefix_cache(self) -> int:
+        self.sessions.reset()  # pinned contents are stale too (a weight update)
         return self.kv.reset_prefix_cache()
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def release_session(self, tenant: str, session_id: str) -> int | None:
+        """Drop a session's pinned blocks (DELETE /v1/sessions/{id}); None if unknown."""
+        return self.sessions.release((tenant, session_id))
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, clock=time.monotonic):
         if config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens is unset: EngineConfig.validate() picks the device's default")
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.sessions = SessionTable(kv.pool, config.session_ttl_s, config.session_ttl_max_s,
+                                     config.max_pinned_fraction, config.max_sessions, clock)
+        self.tenants = TenantCounters(config.tenant_weights)
+        # Per step, for the step log and metrics: the policy's admissions and preemptions.
+        self.last_decisions: list[str] = []
+        # --target-tpot-ms: each step's budget from the measured step times (latency_target.py).
+        self.step_model = (StepTimeModel(config.target_tpot_ms / 1e3) if config.target_tpot_ms is not None
+                           else None)
+        self.last_budget = config.max_num_batched_tokens
+
+    def observe_step(self, plan: "StepPlan", seconds: float) -> None:
+        """The engine's measured wall time of a step (for the latency target)."""
+        if self.step_model is not None:
+            decodes = any(e.start_pos >= len(e.prompt_token_ids) for e in plan.scheduled)
+            self.step_model.observe(plan.num_batched_tokens, seconds, decodes)
 
     # -- queues ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.config.policy == "fair":
+            self.tenants.arrive(request.tenant, self._backlogged_tenants())
         self.requests[request.request_id] = request
+        if request.session_id is not None:
+            request.session = self.sessions.open((request.tenant, request.session_id), self.clock())
         self.waiting.append(request)
+
+    def _backlogged_tenants(self) -> set[str]:
+        return {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
+
+    def _service(self, req: Request) -> int:
+        """The attained service of the request's program: its session's, else its own."""
+        return req.session.service if req.session is not None else req.served_tokens
+
+    def _next_waiting(self, now: float) -> Request:
+        """The waiting request the policy admits next."""
+        policy = self.config.policy
+        if policy == "fcfs":
+            return self.waiting[0]
+        if policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        if policy == "program":
+            starve = self.config.starvation_s
+
+            def key(r: Request):
+                if now - r.arrival_time >= starve:
+                    return (0, 0, r.arrival_time)  # starved: ahead of the rest, oldest first
+                return (1, self._service(r), r.arrival_time)
+            return min(self.waiting, key=key)
+        # fair: the lowest-counter tenant's earliest request (waiting keeps arrival order,
+        # preempted requests at the front).
+        tenant = min({r.tenant for r in self.waiting}, key=lambda t: (self.tenants.counter(t), t))
+        return next(r for r in self.waiting if r.tenant == tenant)
+
+    def _victim(self) -> Request:
+        """The running request the policy preempts when the pool runs dry."""
+        policy = self.config.policy
+        if policy == "fcfs":
+            return self.running[-1]
+        order = {id(r): i for i, r in enumerate(self.running)}  # later admitted = later
+        if policy == "priority":
+            key = lambda r: (r.priority, r.arrival_time, order[id(r)])  # noqa: E731
+        elif policy == "program":
+            key = lambda r: (self._service(r), r.arrival_time, order[id(r)])  # noqa: E731
+        else:
+            key = lambda r: (self.tenants.counter(r.tenant), r.arrival_time, order[id(r)])  # noqa: E731
+        return max(self.running, key=key)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,8 +197,21 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
+        admit_more = True
+        if self.step_model is not None:
+            # Every running request still gets its decode; prompt chunks and admissions take
+            # what the target leaves. A batch whose decodes alone break it does not grow.
+            budget = max(self.step_model.budget(budget), min(budget, len(self.running)))
+            over = self.step_model.predict(len(self.running) + 1)
+            admit_more = not self.running or over is None or over <= self.step_model.target_s
+        self.last_budget = budget
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
+        now = self.clock()
+        decisions: list[str] = []
+        self.last_decisions = decisions
+        if self.sessions.num_pinned:
+            self.sessions.expire(now)
 
         # Decodes first (stable sort keeps admission order within each group), so a
         # long prompt chunk never stalls tokens of requests already generating.
@@ -126,7 +222,12 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate(req, n) is None:
-                victim = self.running[-1]
+                # Pinned session blocks go before any running request is preempted.
+                if self.sessions.num_pinned and self.sessions.free_for(self.kv.new_blocks_needed(req, n)):
+                    decisions.append(f"unpin for {req.request_id}")
+                    continue
+                victim = self._victim()
+                decisions.append(f"preempt {victim.request_id}")
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     budget += len(undone.token_ids)
@@ -140,14 +241,20 @@ class Scheduler:
             budget -= n
 
         # Admit waiting requests only if nobody had to be preempted for room.
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and admit_more and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self._next_waiting(now)
             prefix = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
             if self.kv.allocate(req, n, prefix) is None:
                 break
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+                decisions.append(f"admit {req.request_id} ({self.config.policy})")
+            if req.session is not None:
+                self.sessions.call_admitted(req.session, prefix.num_tokens)
             req.num_computed_tokens += prefix.num_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = prefix.num_tokens
@@ -205,7 +312,14 @@ class Scheduler:
             req = self.requests.get(entry.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(entry.token_ids)
+            n = len(entry.token_ids)
+            req.num_computed_tokens += n
+            req.served_tokens += n
+            if req.session is not None:
+                req.session.service += n
+            # VTC: prompt tokens when computed, output tokens when sampled.
+            prompt_part = max(0, min(entry.start_pos + n, req.num_prompt_tokens) - entry.start_pos)
+            self.tenants.charge(req.tenant, prompt_part, 1 if entry.needs_logits else 0)
             plp = result.prompt_logprobs.get(entry.request_id)
             if plp is not None and req.prompt_logprobs is not None:
                 self._store_prompt_logprobs(req, plp)
@@ -245,5 +359,11 @@ class Scheduler:
     def _remove_finished(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+        if req.session is not None:
+            # A call that ended normally pins its history for the session's next call; an
+            # aborted or failed one does not.
+            pin = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            self.sessions.call_ended(req.session, self.kv.computed_blocks(req) if pin else [], pin)
+            req.session = None  # (ended once, whatever removes it later)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)

@@ -152,15 +152,25 @@ class AsyncEngine:
         self._send(("reset", loop, done))
         return await done
 
+    async def release_session(self, session_id: str, tenant: str | None) -> int | None:
+        """Drop a session's pinned blocks, between two engine steps; how many, or None
+        if the tenant has no such session."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("release", loop, done, session_id, tenant))
+        return await done
+
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str | None = None, deadline: float | None = None,
-               keepalive_s: float | None = None) -> tuple[asyncio.Future, AsyncIterator[RequestOutput | None]]:
+               keepalive_s: float | None = None, scheduling: dict | None = None
+               ) -> tuple[asyncio.Future, AsyncIterator[RequestOutput | None]]:
         """Send a request to the engine thread now (no await: an admission check just
         before it sees it counted). Returns a future of its prompt token ids (it raises
         the engine's ValueError if the request can never run) and its output stream.
         At `deadline` (event-loop time) the stream raises RequestTimeoutError and the
         request is aborted; with `keepalive_s`, the stream yields None after every
-        keepalive_s without an output."""
+        keepalive_s without an output. scheduling: session_id, tenant and priority
+        (LLMEngine.add_request)."""
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -170,7 +180,7 @@ class AsyncEngine:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down")
             self._unqueued += params.n
-            self._send(("add", request_id, prompt, params, cache_salt, stream, added))
+            self._send(("add", request_id, prompt, params, cache_salt, stream, added, scheduling or {}))
         return added, self._iterate(request_id, stream, deadline, keepalive_s)
 
     async def _iterate(self, request_id: str, stream: _Stream, deadline: float | None = None,
@@ -323,11 +333,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, salt, stream, added = cmd
+                _, rid, prompt, params, salt, stream, added, scheduling = cmd
                 try:
                     if refuse is not None:
                         raise refuse
-                    ids = self.engine.add_request(rid, prompt, params, cache_salt=salt)
+                    ids = self.engine.add_request(rid, prompt, params, cache_salt=salt, **scheduling)
                 except Exception as e:  # ValueError for bad input; reported, never fatal
                     stream.loop.call_soon_threadsafe(_set_exception, added, e)
                     continue
@@ -342,6 +352,15 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_set_exception, done, refuse)
                 else:
                     loop.call_soon_threadsafe(_set_result, done, self.engine.reset_prefix_cache())
+            elif cmd[0] == "release":
+                _, loop, done, session_id, tenant = cmd
+                if refuse is not None:
+                    loop.call_soon_threadsafe(_set_exception, done, refuse)
+                    continue
+                try:
+                    loop.call_soon_threadsafe(_set_result, done, self.engine.release_session(session_id, tenant))
+                except ValueError as e:
+                    loop.call_soon_threadsafe(_set_exception, done, e)
             elif cmd[0] == "abort" and refuse is None:
                 rid = cmd[1]
                 if rid in self._streams:

@@ -54,6 +54,21 @@ class StepTimings:
         self.runner.prepare = self.runner.forward = self.runner.sample = 0.0
 
 
+MAX_SESSION_ID_CHARS = 256
+
+
+def check_scheduling_fields(session_id, tenant, priority) -> None:
+    """A request's scheduling fields, each refused with a ValueError that names it."""
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError("session_id must be a non-empty string")
+    if session_id is not None and len(session_id) > MAX_SESSION_ID_CHARS:
+        raise ValueError(f"session_id must be at most {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
+    if tenant is not None and not isinstance(tenant, str):
+        raise ValueError("tenant must be a string")
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise ValueError(f"priority must be an integer >= 0 (lower runs first), got {priority!r}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()  # idempotent; refuses modes this machine cannot run, before anything loads
@@ -97,11 +112,19 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> list[int]:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    session_id: str | None = None, tenant: str | None = None, priority: int = 0) -> list[int]:
         """Queue a request (n samples of it). Raises ValueError if it can never run.
         Returns the prompt's token ids. Requests share cached prefix blocks only with
-        requests of the same cache_salt (one per tenant, say)."""
+        requests of the same cache_salt (one per tenant, say).
+
+        session_id: the agent program this call belongs to; its KV stays pinned after the
+        call for the session's next one (core/sessions.py). Sessions are namespaced by
+        tenant: the same id under another tenant is another session. tenant: who the
+        request is served for (the `fair` policy's unit; default one shared tenant).
+        priority: lower first under the `priority` policy (an integer >= 0)."""
         params = params or SamplingParams()
+        check_scheduling_fields(session_id, tenant, priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.outputs.parents:
@@ -127,7 +150,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, child_params, self.tokenizer.eos_token_ids,
                                     max_tokens, arrival_time, cache_salt=cache_salt,
-                                    share_key=request_id if params.n > 1 else None))
+                                    share_key=request_id if params.n > 1 else None,
+                                    session_id=session_id, tenant=tenant or "", priority=priority))
         self.outputs.add(request_id, text, ids, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -178,6 +202,12 @@ class LLMEngine:
         """Forget all cached prefix blocks (needed after a weight update); returns how many."""
         return self.scheduler.reset_prefix_cache()
 
+    def release_session(self, session_id: str, tenant: str | None = None) -> int | None:
+        """Drop a session's pinned KV blocks now; returns how many it held, None if this
+        tenant has no such session."""
+        check_scheduling_fields(session_id, tenant, 0)
+        return self.scheduler.release_session(tenant or "", session_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.outputs.has_pending()
 
@@ -196,6 +226,8 @@ class LLMEngine:
         t = self.timings
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.scheduler.last_decisions:
+            logger.debug("step %d: %s", t.steps, "; ".join(self.scheduler.last_decisions))
         t1 = time.perf_counter()
         try:
             result = self.runner.execute(plan)
@@ -208,6 +240,7 @@ class LLMEngine:
             # was counted, so none of its blocks stay named in the prefix cache.
             return self._fail_step(plan, e)
         t3 = time.perf_counter()
+        self.scheduler.observe_step(plan, t3 - t0)
         t.steps += 1
         t.schedule += t1 - t0
         t.execute += t2 - t1

@@ -164,7 +164,8 @@ class OutputProcessor:
             first_token=min((r.first_token_time for r in reqs if r.first_token_time), default=None))
         out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished, times,
                             num_cached_tokens=max(r.num_cached_tokens for r in reqs),
-                            prompt_logprobs=self._prompt_logprobs(parent, reqs), error=parent.error)
+                            prompt_logprobs=self._prompt_logprobs(parent, reqs), error=parent.error,
+                            tenant=reqs[0].tenant)
         if finished:
             for cid in parent.child_ids:
                 self.samples.pop(cid, None)

@@ -39,6 +39,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-isa", default="auto", choices=["auto", "avx512", "avx2", "generic"],
                    help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx2 forces "
                         "the AVX2 build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "program", "fair"],
+                   help="who is admitted and preempted first: fcfs (arrival); priority (the request's priority, "
+                        "lower first); program (the session whose calls have had the least service first, "
+                        "Autellix's PLAS); fair (per-tenant fair shares of tokens, VTC). Default fcfs")
+    g.add_argument("--starvation-timeout", type=float, default=30.0,
+                   help="program policy: a call waiting this many seconds goes ahead of the rest (default 30)")
+    g.add_argument("--session-ttl", type=float, default=30.0,
+                   help="seconds a session's KV stays pinned after a call, until its own gaps set the TTL "
+                        "(default 30; 0: no pinning)")
+    g.add_argument("--session-ttl-max", type=float, default=300.0,
+                   help="the longest a session's KV is pinned after a call (default 300)")
+    g.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                   help="the most of the KV cache session pins may hold (default 0.5)")
+    g.add_argument("--max-sessions", type=int, default=10000,
+                   help="sessions remembered at most; the longest idle is forgotten first (default 10000)")
+    g.add_argument("--target-tpot-ms", type=float, default=None,
+                   help="hold each step (so each running request's time per output token) to this many ms by "
+                        "sizing the step's token budget from measured step times; fewer prompt tokens per step "
+                        "when it would break (default: none, the fixed --max-num-batched-tokens)")
+    g.add_argument("--tenant-weight", action="append", default=[], metavar="NAME=WEIGHT",
+                   help="fair policy: a tenant's weight (default 1; repeatable)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
                         "whatever else shares its batch (docs/determinism.md)")
@@ -51,7 +72,26 @@ def engine_kwargs(args) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic,
-                cpu_isa=args.cpu_isa)
+                cpu_isa=args.cpu_isa, policy=args.scheduling_policy, starvation_s=args.starvation_timeout,
+                session_ttl_s=args.session_ttl, session_ttl_max_s=args.session_ttl_max,
+                max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
+                target_tpot_ms=args.target_tpot_ms,
+                tenant_weights=tenant_weights(args.tenant_weight))
+
+
+def tenant_weights(items: list[str]) -> dict[str, float]:
+    """--tenant-weight NAME=WEIGHT flags as a dict; ValueError naming a bad one."""
+    out = {}
+    for item in items:
+        name, sep, weight = item.rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = None
+        if not sep or not name or value is None or not value > 0:
+            raise ValueError(f"--tenant-weight takes NAME=WEIGHT with a weight > 0, got {item!r}")
+        out[name] = value
+    return out
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -148,10 +188,15 @@ def cmd_serve(args) -> int:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     limits = ServingLimits(max_waiting=args.max_waiting, max_n=args.max_n,
                            request_timeout=args.request_timeout or None)
+    from sluice.entrypoints.openai.tenants import load_tenants
+    tenants = load_tenants(args.tenants) if args.tenants else []
+    kwargs = engine_kwargs(args)
+    # The file's weights, under the flags' (a flag names a tenant explicitly).
+    kwargs["tenant_weights"] = {**{t.name: t.weight for t in tenants}, **kwargs["tenant_weights"]}
     config = ServerConfig(host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
-                          limits=limits, max_request_bytes=args.max_request_bytes,
+                          tenants=tenants, limits=limits, max_request_bytes=args.max_request_bytes,
                           shutdown_grace_s=args.shutdown_grace)
-    return serve(engine_kwargs(args), config, log_level="info" if args.log_level == "WARNING" else args.log_level)
+    return serve(kwargs, config, log_level="info" if args.log_level == "WARNING" else args.log_level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model name clients send and /v1/models lists (default: --model)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    srv.add_argument("--tenants", default=None, metavar="FILE",
+                     help="JSON file of tenants: API keys, each a tenant of its own, and fair-share weights "
+                          "(entrypoints/openai/tenants.py has the format)")
     srv.add_argument("--max-waiting", type=int, default=128,
                      help="sequences (prompts x n) allowed to wait for a seat; past it new requests get HTTP 429 "
                           "+ Retry-After, and a request with more sequences than this gets 400 (default 128)")
@@ -183,10 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from sluice.bench.agents import add_parser as add_bench_agents
     from sluice.bench.serve import add_parser as add_bench_serve
     from sluice.bench.soak import add_parser as add_bench_soak
     add_bench_serve(bench_sub)
     add_bench_soak(bench_sub)
+    add_bench_agents(bench_sub)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")

@@ -23,23 +23,34 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. A prompt is a string or a list of token ids."""
+                 use_tqdm: bool | None = None, session_id: str | None = None,
+                 priority: int = 0, tenant: str | None = None) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids.
+        session_id, priority, tenant: the scheduling fields of every prompt of this call
+        (LLMEngine.add_request); with a session_id, the next call of the same session finds
+        this call's prompt and output still cached."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, session_id=session_id, priority=priority,
+                         tenant=tenant)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, session_id: str | None = None,
+             priority: int = 0, tenant: str | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate the reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, session_id=session_id, priority=priority,
+                         tenant=tenant)
 
-    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm) -> list[RequestOutput]:
+    def release_session(self, session_id: str, tenant: str | None = None) -> int | None:
+        """Drop a session's pinned KV now; returns how many blocks it held (None: unknown)."""
+        return self.engine.release_session(session_id, tenant)
+
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm, **scheduling) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, list):
@@ -52,7 +63,7 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, **scheduling)
                 order[rid] = i
         except ValueError:
             for rid in order:

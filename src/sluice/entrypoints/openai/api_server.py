@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health,
-/version, /metrics. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
+Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/sessions/{id},
+GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
 stack trace or internal exception text ever reaches a client, and an unexpected error
 is a 500 on a connection that stays usable. A body over max_request_bytes is refused
 (413) before it is read. A client that leaves a non-streaming request aborts it, as a
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import logging
 import signal
@@ -31,28 +30,42 @@ from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                  ModelList)
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
+from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
 from sluice.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 
+def match_key(keys: dict[bytes, tuple[str, str]], header: str) -> tuple[str, str] | None:
+    """The (tenant, cache salt) of the key in an Authorization header, or None. Every key is
+    compared, in constant time each, so the time taken says nothing about which matched."""
+    token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+    found = None
+    for key, who in keys.items():
+        if hmac.compare_digest(token, key):
+            found = who
+    return found
+
+
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1 routes. A plain ASGI middleware, not
+    """Requires `Authorization: Bearer <key>` on /v1 routes, with one of the server's keys,
+    and records the key's tenant in the request's state. A plain ASGI middleware, not
     Starlette's BaseHTTPMiddleware (`@app.middleware`), which passes every chunk of a
     streamed response through a memory stream and a task switch of its own."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, keys: dict[bytes, tuple[str, str]]):
         self.app = app
-        self.key = api_key.encode()
+        self.keys = keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = Request(scope).headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.key):
+            who = match_key(self.keys, Request(scope).headers.get("authorization", ""))
+            if who is None:
                 response = error_json(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                       code="invalid_api_key")
                 return await response(scope, receive, send)
+            state = scope.setdefault("state", {})
+            state["tenant"], state["key_salt"] = who
         await self.app(scope, receive, send)
 
 
@@ -146,6 +159,9 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str = "smollm2-135m"
     api_key: str | None = None
+    # More keys, each its own tenant (entrypoints/openai/tenants.py); entries without a key
+    # only give a `user` value its weight (the engine's tenant_weights).
+    tenants: list[TenantSpec] = field(default_factory=list)
     # Waiting sequences, the largest n, the request timeout, the SSE keep-alive interval.
     limits: ServingLimits = field(default_factory=ServingLimits)
     # Bodies larger than this are refused with 413 before they are read.
@@ -189,8 +205,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     for kind in (EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError):
         app.add_exception_handler(kind, _engine_error)
 
+    # With keys, each key is a tenant with its own prefix-cache and session namespace, so
+    # one tenant can never hit (or time) another's cached blocks or reach its sessions.
+    # (--api-key alone: one tenant, the shared one.)
+    keys: dict[bytes, tuple[str, str]] = {t.api_key.encode(): (t.name, key_salt(t.api_key))
+                                          for t in config.tenants if t.api_key}
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        keys[config.api_key.encode()] = ("", key_salt(config.api_key))
+    if keys:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(GuardMiddleware, max_bytes=config.max_request_bytes)
 
     def check_model(model: str | None) -> None:
@@ -204,13 +227,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(result.model_dump())
 
-    # With API keys, each key is a tenant with its own prefix-cache namespace, so one
-    # tenant can never hit (or time) another's cached blocks.
-    tenant = hashlib.sha256(config.api_key.encode()).hexdigest()[:16] if config.api_key else ""
+    def identity(raw: Request, user: str | None) -> tuple[str, str]:
+        """(tenant, its prefix-cache namespace): the key's tenant when the server has keys,
+        else the `user` field's (which namespaces sessions but not the cache)."""
+        state = raw.scope.get("state", {})
+        if "tenant" in state:
+            return state["tenant"], state["key_salt"]
+        return user or "", ""
 
-    def salt(req) -> str | None:
-        parts = [p for p in (tenant, req.cache_salt) if p]
-        return "/".join(parts) or None
+    def salt(raw: Request, req) -> tuple[str, str | None]:
+        tenant, namespace = identity(raw, req.user)
+        parts = [p for p in (namespace, req.cache_salt) if p]
+        return tenant, "/".join(parts) or None
 
     async def handle(raw: Request, work):
         result = await until_disconnected(raw, work)
@@ -221,18 +249,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
-        return await handle(raw, serving.completions(req, salt(req)))
+        tenant, cache_salt = salt(raw, req)
+        return await handle(raw, serving.completions(req, cache_salt, tenant))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        return await handle(raw, serving.chat(req, salt(req)))
+        tenant, cache_salt = salt(raw, req)
+        return await handle(raw, serving.chat(req, cache_salt, tenant))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, raw: Request, user: str | None = None):
+        """Release a session's pinned KV blocks now (its tenant's: the key's, or ?user=)."""
+        tenant, _ = identity(raw, user)
+        if len(session_id) > 256:
+            raise APIError(400, "session_id must be at most 256 characters", param="session_id")
+        released = await engine.release_session(session_id, tenant)
+        if released is None:
+            raise APIError(404, f"no session {session_id!r} for this tenant", param="session_id",
+                           code="session_not_found")
+        return {"id": session_id, "object": "session", "deleted": True, "released_blocks": released}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):
-        if config.api_key:  # an admin action: needs the key even though it is not under /v1
-            header = request.headers.get("authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
+        if keys:  # an admin action: needs a key even though it is not under /v1
+            if match_key(keys, request.headers.get("authorization", "")) is None:
                 return error_json(401, "missing or invalid API key", code="invalid_api_key")
         return {"reset_blocks": await engine.reset_prefix_cache()}
 
@@ -268,7 +309,8 @@ def observe(metrics: Metrics):
             if out.finished and out.times is not None:
                 for c in out.outputs:
                     metrics.observe_request(out.times.arrival, out.times.first_scheduled, out.times.first_token,
-                                            len(out.prompt_token_ids), len(c.token_ids), c.finish_reason)
+                                            len(out.prompt_token_ids), len(c.token_ids), c.finish_reason,
+                                            out.tenant)
     return on_step
 
 

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 # Deeper than this a JSON body is refused (400) before any field is read: nothing in the
 # API nests more than a few levels, and deep values are costly to copy and to render.
@@ -76,6 +76,11 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     # vLLM extension: logprob and rank of each prompt token, plus the top k per position.
     prompt_logprobs: int | None = None
+    # sluice's scheduling extensions (core/scheduler.py): the agent program this call
+    # belongs to, whose KV stays pinned for its next call (namespaced by tenant), and a
+    # priority, lower first under --scheduling-policy priority (vLLM's semantics).
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    priority: StrictInt = Field(default=0, ge=0)
 
 
 class CompletionRequest(_SamplingFields):

@@ -191,7 +191,8 @@ class OpenAIServing:
                            code="overloaded", headers={"Retry-After": "1"})
 
     async def _start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                     salt: str | None, deadline: float | None, stream: bool) -> _Started:
+                     salt: str | None, deadline: float | None, stream: bool,
+                     scheduling: dict | None = None) -> _Started:
         # All prompts are handed to the engine at once (it takes commands between steps,
         # so adding them one after another would cost a step each).
         self._admit(len(prompts) * params.n)
@@ -201,7 +202,8 @@ class OpenAIServing:
         try:
             for rid, p in zip(rids, prompts):
                 added, outputs = self.engine.submit(rid, p, params, cache_salt=salt, deadline=deadline,
-                                                    keepalive_s=self.limits.sse_keepalive_s if stream else None)
+                                                    keepalive_s=self.limits.sse_keepalive_s if stream else None,
+                                                    scheduling=scheduling)
                 futures.append(added)
                 started.streams.append(outputs)
             results = await asyncio.gather(*futures, return_exceptions=True)
@@ -239,7 +241,7 @@ class OpenAIServing:
             self.engine.abort(rid)
 
     # -- completions ----------------------------------------------------------
-    async def completions(self, req: CompletionRequest, salt: str | None = None):
+    async def completions(self, req: CompletionRequest, salt: str | None = None, tenant: str = ""):
         deadline = self._deadline()
         prompts = normalize_prompts(req.prompt)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
@@ -250,7 +252,8 @@ class OpenAIServing:
             prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
         params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
         cid = random_id("cmpl")
-        started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt, deadline, req.stream)
+        started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt, deadline, req.stream,
+                                    scheduling(req, tenant))
         if req.stream:
             return self._completion_stream(cid, req, started, params.n)
         finals = await self._finals(started)
@@ -350,7 +353,7 @@ class OpenAIServing:
         return out
 
     # -- chat -----------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, salt: str | None = None):
+    async def chat(self, req: ChatCompletionRequest, salt: str | None = None, tenant: str = ""):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
@@ -366,7 +369,7 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, logprobs, prompt_lp)
         prompt_ids = await self._off_loop(self._render_chat, messages, req.add_generation_prompt)
         cid = random_id("chatcmpl")
-        started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream)
+        started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream, scheduling(req, tenant))
         if req.stream:
             return self._chat_stream(cid, req, started)
         (final,) = await self._finals(started)
@@ -456,6 +459,11 @@ def _concat_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> Completion
     return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs
                               + b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs
                               + b.top_logprobs)
+
+
+def scheduling(req, tenant: str) -> dict:
+    """A request's scheduling fields for LLMEngine.add_request."""
+    return {"session_id": req.session_id, "tenant": tenant, "priority": req.priority}
 
 
 def normalize_prompts(prompt) -> list:

@@ -1,0 +1,264 @@
+"""Sessions and tenants: what the scheduler remembers between a program's calls.
+
+A session is one agent program (its calls name the same `session_id`). When a call
+ends, the full KV blocks of its prompt and output stay pinned (one extra reference each,
+so the pool's LRU cannot evict them) for a time-to-live, and the session's next call,
+which re-sends that history, finds them as a cached prefix and computes only its new
+turn. That is Continuum's idea (arXiv 2511.02230); the TTL adapts per session from the
+gaps between its calls (below). A session also counts its attained service, the tokens
+computed for all its calls so far, which the `program` policy orders by (Autellix's
+PLAS, arXiv 2502.13965).
+
+Pins are released, in this order of preference:
+  1. when they expire (checked at every schedule());
+  2. when the session's next call is admitted (it holds the blocks itself from then on,
+     and its own end pins the longer history);
+  3. `DELETE /v1/sessions/{id}` (release());
+  4. when pinning would take the pinned total over `max_pinned_fraction` of the cache:
+     other sessions' pins, soonest to expire first;
+  5. when a running request needs blocks the pool does not have: before any running
+     request is preempted, pins go, soonest to expire first. (A waiting request does not
+     release pins to be admitted: it waits for running requests to finish, as it would
+     for any full cache; the cap keeps the rest of the cache for it.)
+
+A tenant is the unit of fairness (the `fair` policy: the Virtual Token Counter of
+Sheng et al., OSDI '24): its counter grows by the weighted tokens served to it, divided
+by its weight, and the waiting tenant with the lowest counter is admitted first.
+
+Both tables are bounded: sessions at max_sessions (the one idle longest is dropped,
+pins released), tenants at MAX_TENANTS (idle ones dropped first).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sluice.core.block_pool import BlockPool, KVBlock
+
+# VTC's weights: an output token costs twice an input token (the paper's w_q = 2 w_p: a
+# decode token takes a step's slot for one token where a prompt chunk amortizes it).
+INPUT_TOKEN_COST = 1.0
+OUTPUT_TOKEN_COST = 2.0
+MAX_TENANTS = 4096
+# The adaptive TTL: this many times the longest of the session's last GAP_HISTORY gaps.
+TTL_GAP_FACTOR = 1.5
+GAP_HISTORY = 8
+
+
+@dataclass
+class Session:
+    key: tuple[str, str]                 # (tenant namespace, session id)
+    blocks: list[KVBlock] = field(default_factory=list)   # pinned: one reference each
+    expires_at: float = 0.0
+    last_end: float | None = None        # when its last call ended
+    gaps: deque = field(default_factory=lambda: deque(maxlen=GAP_HISTORY))
+    service: int = 0                     # tokens computed for all its calls
+    calls: int = 0
+    active: int = 0                      # calls queued or running now
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class SessionStats:
+    pinned_calls: int = 0        # call ends that pinned their blocks
+    hits: int = 0                # calls admitted while their session held a pin
+    hit_tokens: int = 0          # prompt tokens those calls found cached
+    expired: int = 0             # pins dropped by their TTL
+    released: int = 0            # pins dropped by DELETE
+    evicted_for_cap: int = 0     # pins dropped to stay under max_pinned_fraction
+    evicted_for_room: int = 0    # pins dropped so that a running request could grow
+    dropped_sessions: int = 0    # sessions forgotten to stay under max_sessions
+
+
+class SessionTable:
+    def __init__(self, pool: BlockPool, ttl_s: float, ttl_max_s: float, max_pinned_fraction: float,
+                 max_sessions: int, clock: Callable[[], float] = time.monotonic):
+        self.pool = pool
+        self.ttl_s = ttl_s
+        self.ttl_max_s = ttl_max_s
+        self.max_pinned = int(max_pinned_fraction * pool.num_blocks)
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # least recently used first
+        self.num_pinned = 0
+        self.stats = SessionStats()
+
+    # -- lookup -----------------------------------------------------------------
+    def get(self, key: tuple[str, str]) -> Session | None:
+        return self.sessions.get(key)
+
+    def open(self, key: tuple[str, str], now: float | None = None) -> Session:
+        """The session a new call names, created if unknown (an unknown id starts a new
+        session). Records the gap since its last call ended."""
+        now = self.clock() if now is None else now
+        s = self.sessions.get(key)
+        if s is None:
+            s = self.sessions[key] = Session(key)
+        else:
+            self.sessions.move_to_end(key)
+            if s.last_end is not None and s.active == 0:
+                s.gaps.append(now - s.last_end)
+        s.calls += 1
+        s.active += 1
+        self._bound()
+        return s
+
+    def _bound(self) -> None:
+        # Only idle sessions go (a session with a call in flight is never dropped, so a
+        # call's end always finds its session in the table).
+        while len(self.sessions) > self.max_sessions:
+            victim = next((s for s in self.sessions.values() if s.active == 0), None)
+            if victim is None:
+                return  # every session has a call in flight: the bound waits for one to end
+            self._unpin(victim)
+            del self.sessions[victim.key]
+            self.stats.dropped_sessions += 1
+
+    # -- pins -------------------------------------------------------------------
+    def ttl(self, s: Session) -> float:
+        """How long to hold a session's blocks after a call: the default until the session
+        has shown a gap, then TTL_GAP_FACTOR x its longest recent gap (the next call is
+        expected within it), at most ttl_max_s. A session whose gaps run past ttl_max_s
+        gets no pin at all: holding the blocks that long would cost more cache than
+        recomputing its prompt costs time (0 returned)."""
+        if not s.gaps:
+            return self.ttl_s
+        longest = max(s.gaps)
+        if longest > self.ttl_max_s:
+            return 0.0
+        return min(self.ttl_max_s, max(TTL_GAP_FACTOR * longest, 1.0))
+
+    def call_ended(self, s: Session, blocks: list[KVBlock], pin: bool) -> None:
+        """A call of s ended; blocks: its full, computed blocks (prompt and output) in order,
+        still referenced by the request. With pin, they replace the session's pin."""
+        now = self.clock()
+        s.active = max(0, s.active - 1)
+        s.last_end = now
+        if not pin or self.ttl_s <= 0:
+            return
+        ttl = self.ttl(s)
+        if ttl <= 0 or not blocks or len(blocks) > self.max_pinned:
+            self._unpin(s)
+            return
+        # Take the new references before dropping the old ones: the two sets share the
+        # session's earlier history.
+        self.pool.take(blocks)
+        old = s.blocks
+        s.blocks = list(blocks)
+        self.num_pinned += len(blocks) - len(old)
+        if old:
+            self.pool.free(list(reversed(old)))
+        s.expires_at = now + ttl
+        self.stats.pinned_calls += 1
+        over = self.num_pinned - self.max_pinned
+        if over > 0:
+            self.stats.evicted_for_cap += self._release_soonest(over, keep=s)
+
+    def call_admitted(self, s: Session, cached_tokens: int) -> None:
+        """The session's call was admitted with its cached prefix taken: the call holds
+        those blocks now, so the pin goes."""
+        if s.blocks:
+            self.stats.hits += 1
+            self.stats.hit_tokens += cached_tokens
+            self._unpin(s)
+
+    def _unpin(self, s: Session) -> int:
+        n = len(s.blocks)
+        if n:
+            # Tail first into the LRU list, as a request's blocks are: its end is evicted first.
+            self.pool.free(list(reversed(s.blocks)))
+            s.blocks = []
+            self.num_pinned -= n
+        return n
+
+    def release(self, key: tuple[str, str]) -> int | None:
+        """DELETE: drop the session's pin and forget it; returns how many blocks it had
+        pinned, None if unknown. (A session with a call in flight is kept: that call's end
+        pins again.)"""
+        s = self.sessions.get(key)
+        if s is None:
+            return None
+        n = self._unpin(s)
+        if n:
+            self.stats.released += 1
+        if s.active == 0:
+            del self.sessions[key]
+        return n
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop pins past their TTL; returns how many blocks went back to the pool."""
+        now = self.clock() if now is None else now
+        freed = 0
+        for s in self.sessions.values():
+            if s.blocks and s.expires_at <= now:
+                freed += self._unpin(s)
+                self.stats.expired += 1
+        return freed
+
+    def free_for(self, num_blocks: int) -> int:
+        """Release pins, soonest to expire first, until num_blocks more blocks are free in
+        the pool (or no pins are left); for a running request that would otherwise be
+        preempted. Returns how many pins were dropped."""
+        dropped = 0
+        for s in sorted((s for s in self.sessions.values() if s.blocks), key=lambda s: s.expires_at):
+            if self.pool.num_free_blocks >= num_blocks:
+                break
+            self._unpin(s)
+            dropped += 1
+        self.stats.evicted_for_room += dropped
+        return dropped
+
+    def _release_soonest(self, num_blocks: int, keep: Session) -> int:
+        dropped = 0
+        for s in sorted((s for s in self.sessions.values() if s.blocks and s is not keep),
+                        key=lambda s: s.expires_at):
+            if num_blocks <= 0:
+                break
+            num_blocks -= self._unpin(s)
+            dropped += 1
+        return dropped
+
+    def reset(self) -> None:
+        """Drop every pin (a prefix-cache reset: the blocks' contents are stale)."""
+        for s in self.sessions.values():
+            self._unpin(s)
+
+
+class TenantCounters:
+    """VTC: per tenant, the weighted tokens it has been served divided by its weight."""
+
+    def __init__(self, weights: dict[str, float] | None = None):
+        self.weights = dict(weights or {})
+        self.counters: OrderedDict[str, float] = OrderedDict()
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def charge(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
+        cost = INPUT_TOKEN_COST * input_tokens + OUTPUT_TOKEN_COST * output_tokens
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weight(tenant)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def arrive(self, tenant: str, backlogged: set[str]) -> None:
+        """A request of `tenant` arrives. If the tenant had nothing queued or running, its
+        counter is lifted to the lowest counter among backlogged tenants: an idle tenant
+        does not bank credit to starve the others with later (VTC's counter lift)."""
+        if tenant in backlogged:
+            return
+        floor = min((self.counters.get(t, 0.0) for t in backlogged if t != tenant), default=None)
+        if floor is not None and self.counters.get(tenant, 0.0) < floor:
+            self.counters[tenant] = floor
+        self.counters.setdefault(tenant, 0.0)
+        self.counters.move_to_end(tenant)
+        while len(self.counters) > MAX_TENANTS:
+            idle = next((t for t in self.counters if t not in backlogged and t != tenant), None)
+            if idle is None:
+                break
+            del self.counters[idle]

@@ -1,0 +1,314 @@
+"""Scheduling policies and sessions, driven by a fake runner (no model): exact admission
+orders, victims, block ids, TTL expiry on a fake clock, the cap on pinned blocks."""
+from __future__ import annotations
+
+import pytest
+
+from sluice.config import EngineConfig, SchedulerConfig
+from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.scheduler import SampledToken, Scheduler, StepResult
+from sluice.engine.llm_engine import check_scheduling_fields
+from sluice.request import Request, RequestStatus
+from sluice.sampling_params import SamplingParams
+
+EOS = 0
+TOK = 7
+BS = 4
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 256, caching: bool = True,
+         clock: Clock | None = None, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, **config)
+    return Scheduler(cfg, kv, num_blocks * BS, clock=clock or Clock())
+
+
+def req(rid: str, prompt: list[int] | int, max_tokens: int = 2, arrival: float = 0.0, **kw) -> Request:
+    ids = prompt if isinstance(prompt, list) else [100 + i for i in range(prompt)]
+    return Request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens), eos_token_ids={EOS},
+                   max_tokens=max_tokens, arrival_time=arrival, **kw)
+
+
+def step(s: Scheduler):
+    plan = s.schedule()
+    result = StepResult({e.request_id: SampledToken(TOK) for e in plan.scheduled if e.needs_logits})
+    return plan, s.update(plan, result)
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    """Run to the end; the order in which requests were first scheduled."""
+    order: list[str] = []
+    while s.has_unfinished_requests():
+        plan, _ = step(s)
+        order += [e.request_id for e in plan.scheduled if e.request_id not in order]
+    return order
+
+
+# -- policies ---------------------------------------------------------------------
+
+def test_fcfs_is_arrival_order():
+    s = make(max_num_seqs=1)
+    for i, p in enumerate([3, 0, 5]):
+        s.add_request(req(f"r{i}", 4, arrival=i, priority=p))
+    assert admission_order(s) == ["r0", "r1", "r2"]
+
+
+def test_priority_lower_first_ties_by_arrival():
+    s = make(max_num_seqs=1, policy="priority")
+    for rid, p, t in [("a", 5, 0), ("b", 0, 1), ("c", 5, 2), ("d", 1, 3)]:
+        s.add_request(req(rid, 4, arrival=t, priority=p))
+    assert admission_order(s) == ["b", "d", "a", "c"]
+
+
+def test_priority_preempts_the_highest_value():
+    # 6 blocks of 4: a (priority 0) and b (priority 9) both grow; when the pool runs dry the
+    # victim is b, though a was admitted later (fcfs would take a).
+    s = make(num_blocks=6, policy="priority")
+    s.add_request(req("b", 8, max_tokens=12, arrival=0, priority=9))
+    s.add_request(req("a", 8, max_tokens=12, arrival=1, priority=0))
+    preempted = []
+    while s.has_unfinished_requests():
+        plan, _ = step(s)
+        preempted += plan.preempted
+    assert preempted and set(preempted) == {"b"}
+
+
+def test_program_orders_by_attained_service_with_starvation_protection():
+    clock = Clock()
+    s = make(max_num_seqs=1, policy="program", clock=clock, starvation_s=30.0)
+    # Session "long" has been served 40 tokens by an earlier call.
+    s.add_request(req("long-1", 36, max_tokens=4, arrival=clock.t, session_id="long"))
+    admission_order(s)
+    assert s.sessions.get(("", "long")).service == 36 + 3  # 36 prompt + 3 decode steps
+    clock.t += 1
+    s.add_request(req("long-2", 8, arrival=clock.t, session_id="long"))
+    s.add_request(req("short-1", 8, arrival=clock.t + 0.5, session_id="short"))
+    s.add_request(req("solo", 8, arrival=clock.t + 0.7))   # no session: a program of its own
+    # The least-served programs first, though "long-2" came first.
+    assert admission_order(s) == ["short-1", "solo", "long-2"]
+    # Starvation: a call that has waited starvation_s goes ahead of newer, less-served ones.
+    clock.t += 100
+    s.add_request(req("long-3", 8, arrival=clock.t - 31, session_id="long"))
+    s.add_request(req("short-2", 8, arrival=clock.t, session_id="short"))
+    assert admission_order(s) == ["long-3", "short-2"]
+
+
+def test_fair_interleaves_tenants_by_counter():
+    # Each request costs 4 prompt tokens + 2 outputs x 2 = 8. Tenant A floods first; B
+    # arrives after and is lifted to A's counter (0, nothing served yet); then the lower
+    # counter goes next, ties by tenant name.
+    s = make(max_num_seqs=1, policy="fair")
+    for i in range(5):
+        s.add_request(req(f"A{i}", 4, arrival=i, tenant="A"))
+    for i in range(2):
+        s.add_request(req(f"B{i}", 4, arrival=10 + i, tenant="B"))
+    assert admission_order(s) == ["A0", "B0", "A1", "B1", "A2", "A3", "A4"]
+    assert s.tenants.counter("A") == s.tenants.counter("B") * 5 / 2 == 40
+
+
+def test_fair_weights_and_counter_lift():
+    s = make(max_num_seqs=1, policy="fair", tenant_weights={"A": 2.0})
+    for i in range(4):
+        s.add_request(req(f"A{i}", 4, arrival=i, tenant="A"))
+        s.add_request(req(f"B{i}", 4, arrival=i + 0.5, tenant="B"))
+    # Weight 2: each A request adds 4 to A's counter, each B request 8.
+    assert admission_order(s)[:6] == ["A0", "B0", "A1", "A2", "B1", "A3"]
+    # An idle tenant arriving late starts at the backlogged tenants' lowest counter, not 0.
+    for i in range(3):
+        s.add_request(req(f"B{10 + i}", 4, arrival=100 + i, tenant="B"))
+    step(s)
+    s.add_request(req("C0", 4, arrival=200, tenant="C"))
+    assert s.tenants.counter("C") == s.tenants.counter("B") > 0
+
+
+def test_unknown_policy_and_bad_fields_are_refused():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        EngineConfig.from_kwargs(policy="lottery")
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        EngineConfig.from_kwargs(max_pinned_fraction=1.5)
+    with pytest.raises(ValueError, match="tenant_weights"):
+        EngineConfig.from_kwargs(tenant_weights={"a": 0})
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="priority"):
+            check_scheduling_fields(None, None, bad)
+    with pytest.raises(ValueError, match="session_id must be at most 256"):
+        check_scheduling_fields("x" * 257, None, 0)
+    with pytest.raises(ValueError, match="session_id"):
+        check_scheduling_fields("", None, 0)
+    check_scheduling_fields("x" * 256, "t", 0)
+
+
+# -- sessions -----------------------------------------------------------------------
+
+def flood(s: Scheduler, n: int, prefix: str = "other", tenant: str = "") -> None:
+    """Unrelated traffic that takes every free block once (evicting LRU cached ones)."""
+    for i in range(n):
+        s.add_request(req(f"{prefix}{i}", [5000 + 100 * i + j for j in range(15)], max_tokens=1, tenant=tenant))
+    admission_order(s)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_session_blocks_survive_other_traffic_and_are_reused(caching):
+    s = make(num_blocks=16, caching=caching)
+    history = list(range(200, 214))  # 14 tokens; + 2 outputs = 16, computed 15: 3 full blocks
+    s.add_request(req("call-1", history, session_id="agent"))
+    admission_order(s)
+    sess = s.sessions.get(("", "agent"))
+    pinned = [b.block_id for b in sess.blocks]
+    assert len(pinned) == 3 and s.sessions.num_pinned == 3
+    assert all(s.kv.pool.blocks[i].ref_cnt == 1 for i in pinned)
+    assert not set(pinned) & set(s.kv.pool.free_queue.ids())
+    flood(s, 4)  # 4 x 4 blocks: more than the 13 the pins leave free
+    # The next call re-sends the history with the reply and a tool result.
+    nxt = history + [TOK, TOK] + list(range(300, 306))
+    r2 = req("call-2", nxt, session_id="agent")
+    s.add_request(r2)
+    plan, _ = step(s)
+    assert r2.num_cached_tokens == 12 and s.kv.block_ids("call-2")[:3] == pinned
+    assert plan.scheduled[0].start_pos == 12
+    assert s.sessions.num_pinned == 0 and s.sessions.stats.hits == 1  # the call holds them now
+    admission_order(s)
+    assert s.sessions.num_pinned == 5  # (14 + 2 + 6 + 2 - 1) // 4 full computed blocks
+
+
+def test_without_a_session_the_same_traffic_evicts_the_history():
+    s = make(num_blocks=16)
+    history = list(range(200, 214))
+    s.add_request(req("call-1", history))
+    admission_order(s)
+    flood(s, 4)
+    r2 = req("call-2", history + [TOK, TOK] + list(range(300, 306)))
+    s.add_request(r2)
+    step(s)
+    assert r2.num_cached_tokens == 0
+
+
+def test_ttl_expiry_and_adaptive_ttl_on_a_fake_clock():
+    clock = Clock()
+    s = make(num_blocks=32, clock=clock, session_ttl_s=10.0, session_ttl_max_s=60.0)
+    s.add_request(req("c1", 14, session_id="a"))
+    admission_order(s)
+    sess = s.sessions.get(("", "a"))
+    assert sess.expires_at == clock.t + 10.0 and s.sessions.num_pinned == 3
+    free_before = s.kv.num_free_blocks
+    clock.t += 9.9
+    s.schedule()
+    assert s.sessions.num_pinned == 3
+    clock.t += 0.2
+    s.schedule()
+    assert s.sessions.num_pinned == 0 and s.sessions.stats.expired == 1
+    assert s.kv.num_free_blocks == free_before + 3
+    # The gap the session showed (10.1 s) sets its next TTL: 1.5 x the longest recent gap.
+    s.add_request(req("c2", 14, session_id="a"))
+    admission_order(s)
+    assert sess.gaps[-1] == pytest.approx(10.1)
+    assert sess.expires_at == pytest.approx(clock.t + 15.15)
+    # A session whose tool calls outlast the longest TTL gets no pin at all.
+    clock.t += 70
+    s.add_request(req("c3", 14, session_id="a"))
+    admission_order(s)
+    assert s.sessions.ttl(sess) == 0 and s.sessions.num_pinned == 0
+
+
+def test_pinned_blocks_are_capped_soonest_to_expire_released_first():
+    clock = Clock()
+    s = make(num_blocks=32, clock=clock, max_pinned_fraction=0.25)  # at most 8 blocks
+    for i, name in enumerate("abc"):
+        s.add_request(req(f"{name}1", [1000 * (i + 1) + j for j in range(14)], session_id=name))
+        admission_order(s)
+        clock.t += 1
+    # Three pins of 3 blocks: a's (the soonest to expire) went to keep 6 <= 8.
+    assert [s.sessions.get(("", n)).num_pinned for n in "abc"] == [0, 3, 3]
+    assert s.sessions.num_pinned == 6 and s.sessions.stats.evicted_for_cap == 1
+    # A call bigger than the cap pins nothing.
+    s.add_request(req("big", list(range(5000, 5040)), session_id="big"))
+    admission_order(s)
+    assert s.sessions.get(("", "big")).num_pinned == 0
+
+
+def test_running_requests_take_pinned_blocks_before_anyone_is_preempted():
+    s = make(num_blocks=12)
+    s.add_request(req("c1", 14, session_id="a"))
+    admission_order(s)
+    assert s.sessions.num_pinned == 3
+    # Two requests that grow to 5 blocks each: together they need 10 of the 9 free.
+    s.add_request(req("x", [7000 + j for j in range(10)], max_tokens=10))
+    s.add_request(req("y", [8000 + j for j in range(10)], max_tokens=10))
+    admission_order(s)
+    assert s.num_preemptions == 0 and s.sessions.num_pinned == 0
+    assert s.sessions.stats.evicted_for_room == 1
+
+
+def test_sessions_are_namespaced_by_tenant_and_released_by_delete():
+    s = make(num_blocks=32)
+    s.add_request(req("a1", 14, session_id="s", tenant="A"))
+    admission_order(s)
+    s.add_request(req("b1", [9000 + j for j in range(14)], session_id="s", tenant="B"))
+    admission_order(s)
+    a, b = s.sessions.get(("A", "s")), s.sessions.get(("B", "s"))
+    assert a is not b and a.num_pinned == b.num_pinned == 3
+    assert s.release_session("C", "s") is None
+    assert s.release_session("B", "s") == 3
+    assert s.sessions.get(("B", "s")) is None and a.num_pinned == 3
+    assert s.sessions.num_pinned == 3
+
+
+def test_an_aborted_call_pins_nothing_and_leaks_no_block():
+    s = make(num_blocks=16)
+    r = req("c1", 14, max_tokens=8, session_id="a")
+    s.add_request(r)
+    step(s)
+    s.finish_request("c1", RequestStatus.FINISHED_ABORTED)
+    assert s.sessions.num_pinned == 0 and s.kv.num_free_blocks == 16
+
+
+def test_session_table_is_bounded():
+    s = make(num_blocks=64, max_sessions=3)
+    for i in range(5):
+        s.add_request(req(f"c{i}", [100 * (i + 1) + j for j in range(6)], session_id=f"s{i}"))
+        admission_order(s)
+    assert list(k[1] for k in s.sessions.sessions) == ["s2", "s3", "s4"]
+    assert s.sessions.stats.dropped_sessions == 2
+    assert s.sessions.num_pinned == sum(x.num_pinned for x in s.sessions.sessions.values())
+
+
+# -- latency target -------------------------------------------------------------------
+
+def test_step_time_model_fits_and_sizes_the_budget():
+    from sluice.core.latency_target import StepTimeModel
+    m = StepTimeModel(target_s=0.050)
+    assert m.budget(256) == 256  # nothing measured yet: the configured budget
+    for n in [32, 256, 64, 128, 33, 200, 40, 100, 32, 256] * 3:
+        m.observe(n, 0.010 + 0.0005 * n, had_decodes=True)
+    a, b = m.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.0005)
+    assert m.budget(256) == 80 and m.budget(64) == 64
+    assert m.misses == sum(0.010 + 0.0005 * n > 0.050 for n in [256, 128, 200, 100, 256]) * 3
+
+
+def test_a_target_shrinks_prompt_chunks_and_stops_admissions_that_would_break_it():
+    s = make(num_blocks=256, budget=64, target_tpot_ms=20.0)
+    # A machine where a step costs 2 ms + 0.5 ms per token: the target leaves 36 tokens.
+    def timed_step():
+        plan = s.schedule()
+        s.observe_step(plan, 0.002 + 0.0005 * plan.num_batched_tokens)
+        s.update(plan, StepResult({e.request_id: SampledToken(TOK) for e in plan.scheduled if e.needs_logits}))
+        return plan
+    for i in range(12):
+        s.add_request(req(f"r{i}", 40, max_tokens=30, arrival=i))
+    plans = [timed_step() for _ in range(40)]
+    assert plans[0].num_batched_tokens == 64  # before the fit: the fixed budget
+    later = plans[10:]
+    assert all(p.num_batched_tokens <= 36 for p in later)
+    # Decodes alone: 2 + 0.5 * (running + 1) <= 20 ms admits at most 35 running; here the
+    # budget binds first, and every running request still decodes each step.
+    assert max(len(p.scheduled) for p in later) <= 36
+    assert s.step_model.decode_steps > 0
