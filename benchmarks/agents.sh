@@ -62,9 +62,11 @@ start_server() {  # LOG FLAGS...
         sleep 1
     done
 }
-bench() {  # OUT.json ARGS...
+bench() {  # OUT.json ARGS...   (then the server's session and preemption counters, OUT.metrics)
     local out=$1; shift
     .venv/bin/sluice bench agents --url "http://127.0.0.1:$PORT" --seed "$SEED" --json "$out" "$@" > /dev/null
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^sluice_(session_events_total|num_preemptions_total|prefix_cache_(hits|queries)_total)' \
+        > "${out%.json}.metrics" || true
 }
 
 for r in $(seq 1 "$ROUNDS"); do
