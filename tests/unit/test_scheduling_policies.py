@@ -312,3 +312,30 @@ def test_a_target_shrinks_prompt_chunks_and_stops_admissions_that_would_break_it
     # budget binds first, and every running request still decodes each step.
     assert max(len(p.scheduled) for p in later) <= 36
     assert s.step_model.decode_steps > 0
+
+
+def test_a_pin_outlives_its_ttl_while_its_sessions_next_call_waits():
+    clock = Clock()
+    s = make(num_blocks=32, clock=clock, max_num_seqs=1, session_ttl_s=10.0)
+    s.add_request(req("c1", 14, session_id="a"))
+    admission_order(s)
+    s.add_request(req("busy", 8, max_tokens=20))
+    step(s)                                   # "busy" holds the only seat
+    s.add_request(req("c2", list(range(100, 114)) + [TOK, TOK, 1, 2], session_id="a"))
+    clock.t += 60                             # far past the TTL, with c2 queued
+    step(s)
+    assert s.sessions.num_pinned == 3 and s.sessions.stats.expired == 0
+    order = admission_order(s)
+    assert order[-1] == "c2" and s.requests == {} and s.sessions.stats.hits == 1
+
+
+def test_while_pins_are_held_admissions_leave_a_block_per_running_request():
+    s = make(num_blocks=16)
+    s.add_request(req("c1", 14, session_id="a"))
+    admission_order(s)                        # 3 blocks pinned, 13 free
+    for i in range(4):
+        s.add_request(req(f"x{i}", [6000 + 100 * i + j for j in range(11)], max_tokens=2))
+    plan, _ = step(s)
+    # Each takes 3 blocks; after three (9 taken, 4 free) a fourth would leave 1 < 3 running.
+    assert [e.request_id for e in plan.scheduled] == ["x0", "x1", "x2"]
+    assert s.sessions.num_pinned == 3

@@ -120,6 +120,14 @@ class KVCacheManager:
         self.hit_tokens += len(found) * self.block_size
         return CachedPrefix(tuple(found), len(found) * self.block_size)
 
+    def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX) -> int:
+        """How many free blocks allocate(request, num_new_tokens, prefix) would take (new
+        ones, and cached ones it revives from the free list)."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        need = self.blocks_needed(total) - held - len(prefix.blocks)
+        return max(need, 0) + sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+
     def new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Free blocks an allocate() of num_new_tokens (no cached prefix) would take."""
         held = len(self.req_blocks.get(request.request_id, ()))

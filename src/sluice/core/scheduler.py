@@ -246,6 +246,12 @@ class Scheduler:
             req = self._next_waiting(now)
             prefix = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
+            # While sessions hold pins, an admission leaves a free block per running request
+            # (their next blocks): else the running requests' growth would take the pins at
+            # once, and admissions, not running requests, would decide which pins survive.
+            if (self.sessions.num_pinned and self.kv.num_free_blocks - self.kv.free_blocks_taken(req, n, prefix)
+                    < len(self.running)):
+                break
             if self.kv.allocate(req, n, prefix) is None:
                 break
             if req is self.waiting[0]:

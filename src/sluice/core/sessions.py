@@ -10,16 +10,19 @@ computed for all its calls so far, which the `program` policy orders by (Autelli
 PLAS, arXiv 2502.13965).
 
 Pins are released, in this order of preference:
-  1. when they expire (checked at every schedule());
+  1. when they expire (checked at every schedule()), unless a call of the session is
+     already queued (it is about to read them);
   2. when the session's next call is admitted (it holds the blocks itself from then on,
      and its own end pins the longer history);
   3. `DELETE /v1/sessions/{id}` (release());
   4. when pinning would take the pinned total over `max_pinned_fraction` of the cache:
-     other sessions' pins, soonest to expire first;
+     other sessions' pins, idle sessions' first, soonest to expire first;
   5. when a running request needs blocks the pool does not have: before any running
-     request is preempted, pins go, soonest to expire first. (A waiting request does not
+     request is preempted, pins go, in the same order. A waiting request does not
      release pins to be admitted: it waits for running requests to finish, as it would
-     for any full cache; the cap keeps the rest of the cache for it.)
+     for any full cache (the cap keeps the rest of the cache for it), and while pins are
+     held an admission leaves one free block per running request, so that running
+     requests' next blocks do not have to come from pins.
 
 A tenant is the unit of fairness (the `fair` policy: the Virtual Token Counter of
 Sheng et al., OSDI '24): its counter grows by the weighted tokens served to it, divided
@@ -195,7 +198,9 @@ class SessionTable:
         now = self.clock() if now is None else now
         freed = 0
         for s in self.sessions.values():
-            if s.blocks and s.expires_at <= now:
+            # A session with a call queued keeps its pin past the TTL: the call is about to
+            # read it (the TTL bounds the wait for the next call, not its time in the queue).
+            if s.blocks and s.expires_at <= now and s.active == 0:
                 freed += self._unpin(s)
                 self.stats.expired += 1
         return freed
@@ -205,7 +210,7 @@ class SessionTable:
         the pool (or no pins are left); for a running request that would otherwise be
         preempted. Returns how many pins were dropped."""
         dropped = 0
-        for s in sorted((s for s in self.sessions.values() if s.blocks), key=lambda s: s.expires_at):
+        for s in sorted((s for s in self.sessions.values() if s.blocks), key=self._release_order):
             if self.pool.num_free_blocks >= num_blocks:
                 break
             self._unpin(s)
@@ -216,12 +221,17 @@ class SessionTable:
     def _release_soonest(self, num_blocks: int, keep: Session) -> int:
         dropped = 0
         for s in sorted((s for s in self.sessions.values() if s.blocks and s is not keep),
-                        key=lambda s: s.expires_at):
+                        key=self._release_order):
             if num_blocks <= 0:
                 break
             num_blocks -= self._unpin(s)
             dropped += 1
         return dropped
+
+    @staticmethod
+    def _release_order(s: Session) -> tuple[bool, float]:
+        # Idle sessions first (their next call has not come yet), soonest to expire first.
+        return (s.active > 0, s.expires_at)
 
     def reset(self) -> None:
         """Drop every pin (a prefix-cache reset: the blocks' contents are stale)."""
