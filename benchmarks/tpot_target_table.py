@@ -29,7 +29,8 @@ def main() -> None:
         by_target.setdefault(target, []).append((run, metrics))
     order = sorted(by_target, key=lambda t: float("inf") if t == "none" else -float(t))
     rows = []
-    print("| target TPOT | rounds | c32 output tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 s | decode steps over target |")
+    print("| target TPOT | rounds | c32 output tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 s "
+          "| decode steps over target |")
     print("|---|---|---|---|---|---|---|")
     for t in order:
         runs = by_target[t]

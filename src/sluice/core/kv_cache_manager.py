@@ -44,6 +44,7 @@ class CachedPrefix:
     """The longest run of cached blocks matching a request's tokens."""
     blocks: tuple[KVBlock, ...]
     num_tokens: int
+    queried_tokens: int = 0    # the request's tokens looked up (counted once it is admitted)
 
 
 _NO_PREFIX = CachedPrefix((), 0)
@@ -116,9 +117,7 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
-        self.query_tokens += request.num_tokens
-        self.hit_tokens += len(found) * self.block_size
-        return CachedPrefix(tuple(found), len(found) * self.block_size)
+        return CachedPrefix(tuple(found), len(found) * self.block_size, request.num_tokens)
 
     def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX) -> int:
         """How many free blocks allocate(request, num_new_tokens, prefix) would take (new
@@ -146,6 +145,10 @@ class KVCacheManager:
         if max(need, 0) + revived > self.pool.num_free_blocks:
             return None
         self.pool.take(list(prefix.blocks))
+        # Prefix statistics per admission (a lookup for a request that then waits, and is
+        # looked up again next step, is not a second query).
+        self.query_tokens += prefix.queried_tokens
+        self.hit_tokens += prefix.num_tokens
         new = self.pool.allocate(need) if need > 0 else []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(prefix.blocks)
