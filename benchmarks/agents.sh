@@ -64,7 +64,9 @@ start_server() {  # LOG FLAGS...
 }
 bench() {  # OUT.json ARGS...   (then the server's session and preemption counters, OUT.metrics)
     local out=$1; shift
-    .venv/bin/sluice bench agents --url "http://127.0.0.1:$PORT" --seed "$SEED" --json "$out" "$@" > /dev/null
+    # (Exit 1 means some call failed: the report counts them; the sitting goes on.)
+    .venv/bin/sluice bench agents --url "http://127.0.0.1:$PORT" --seed "$SEED" --json "$out" "$@" > /dev/null \
+        || log "some calls failed: see failed_calls in $out"
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^sluice_(session_events_total|num_preemptions_total|prefix_cache_(hits|queries)_total)' \
         > "${out%.json}.metrics" || true
 }

@@ -184,7 +184,10 @@ def summarize(results: list[ProgramResult], duration: float, args) -> dict:
 
 
 async def run_all(args, programs: list[Program]) -> dict:
-    connector = aiohttp.TCPConnector(limit=1024, force_close=args.new_connections)
+    # A new connection per call unless --keep-alive: a program's next call comes after its
+    # tool gap, often past the server's idle timeout (uvicorn's is 5 s), and a pooled
+    # connection the server has just closed resets the call sent on it.
+    connector = aiohttp.TCPConnector(limit=1024, force_close=not args.keep_alive)
     async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as client:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run_program(client, args, p, t0) for p in programs))
@@ -237,6 +240,7 @@ def add_parser(sub) -> None:
     p.add_argument("--only-tenant", default=None, help="run only this tenant's programs (its 'alone' baseline)")
     p.add_argument("--sessions", action="store_true", help="send each program's session_id")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--new-connections", action="store_true", help="a new connection per request")
+    p.add_argument("--keep-alive", action="store_true",
+                   help="reuse connections between calls (default: a new one per call; see run_all)")
     p.add_argument("--json", default=None, help="write the report here too")
     p.set_defaults(func=run)
