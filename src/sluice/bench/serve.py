@@ -34,6 +34,9 @@ class RequestResult:
     ttft: float | None = None
     e2e: float = 0.0
     error: str | None = None
+    # Gaps between consecutive streamed chunks after the first (inter-token latency: a
+    # step's time, as each request sees it; TPOT is their mean per request).
+    itls: list[float] = field(default_factory=list)
 
     @property
     def tpot(self) -> float | None:
@@ -58,6 +61,8 @@ class RunSummary:
     e2e_p50_s: float | None
     e2e_p99_s: float | None
     errors: list[str] = field(default_factory=list)
+    itl_p50_s: float | None = None
+    itl_p99_s: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -75,7 +80,7 @@ async def one_request(client: aiohttp.ClientSession, url: str, model: str, promp
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
-    ttft, chunks, usage_tokens = None, 0, None
+    ttft, chunks, usage_tokens, last, itls = None, 0, None, None, []
     try:
         async with client.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -93,11 +98,16 @@ async def one_request(client: aiohttp.ClientSession, url: str, model: str, promp
                 for choice in payload.get("choices", []):
                     if choice.get("text"):
                         chunks += 1
+                        now = time.perf_counter()
                         if ttft is None:
-                            ttft = time.perf_counter() - t0
+                            ttft = now - t0
+                        else:
+                            itls.append(now - last)
+                        last = now
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         return RequestResult(False, e2e=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
-    return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, ttft, time.perf_counter() - t0)
+    return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, ttft, time.perf_counter() - t0,
+                         itls=itls)
 
 
 def summarize(results: list[RequestResult], duration: float, concurrency: int | None,
@@ -107,6 +117,7 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [r.tpot for r in ok if r.tpot is not None]
     e2es = [r.e2e for r in ok]
+    itls = [g for r in ok for g in r.itls]
     return RunSummary(
         concurrency=concurrency, request_rate=rate, requests=len(results), failed=len(results) - len(ok),
         duration_s=duration, output_tok_per_s=tokens / duration if duration else 0.0,
@@ -114,7 +125,8 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
         ttft_p50_s=percentile(ttfts, 0.5), ttft_p99_s=percentile(ttfts, 0.99),
         tpot_p50_s=percentile(tpots, 0.5), tpot_p99_s=percentile(tpots, 0.99),
         e2e_p50_s=percentile(e2es, 0.5), e2e_p99_s=percentile(e2es, 0.99),
-        errors=sorted({r.error for r in results if r.error})[:5])
+        errors=sorted({r.error for r in results if r.error})[:5],
+        itl_p50_s=percentile(itls, 0.5), itl_p99_s=percentile(itls, 0.99))
 
 
 async def closed_loop(url, model, prompts, output_len, concurrency, api_key, new_connections=False) -> RunSummary:
