@@ -64,10 +64,11 @@ def test_running_requests_take_pins_before_preempting(tiny_checkpoint):
                  session_id="s")
     sessions = llm.engine.scheduler.sessions
     assert sessions.num_pinned == 7
-    crowd = [[rng.randrange(3, 400) for _ in range(90)] for _ in range(3)]  # 3 x 6 blocks: 18 of 24
-    outs = llm.generate(crowd, SamplingParams(max_tokens=4, **GREEDY))
+    # Two requests admitted into the 17 free blocks (6 each), growing to 10 each: 20.
+    crowd = [[rng.randrange(3, 400) for _ in range(90)] for _ in range(2)]
+    outs = llm.generate(crowd, SamplingParams(max_tokens=60, **GREEDY))
     assert sessions.num_pinned == 0 and sessions.stats.evicted_for_room == 1
     assert llm.engine.scheduler.num_preemptions == 0
-    fresh = LLM(model=path, dtype="float32", num_blocks=24).generate(crowd, SamplingParams(max_tokens=4, **GREEDY))
+    fresh = LLM(model=path, dtype="float32", num_blocks=24).generate(crowd, SamplingParams(max_tokens=60, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in fresh]
     assert_all_blocks_free(llm)
