@@ -54,7 +54,8 @@ def main() -> None:
         for r in rows:
             ax.annotate("no target" if r[0] == "none" else f"{r[0]} ms", (r[5], r[2]), textcoords="offset points",
                         xytext=(5, 5))
-        ax.set(xlabel="inter-token latency p99 (ms)", ylabel="c32 output tokens/s", title="--target-tpot-ms: throughput vs token latency")
+        ax.set(xlabel="inter-token latency p99 (ms)", ylabel="c32 output tokens/s",
+               title="--target-tpot-ms: throughput vs token latency")
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         fig.savefig(plot, dpi=110)

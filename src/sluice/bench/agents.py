@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from sluice.bench.serve import TIMEOUT, percentile
+from sluice.bench.serve import TIMEOUT, percentile, stream_completion
 
 
 @dataclass
@@ -102,40 +102,10 @@ async def call(client: aiohttp.ClientSession, args, prompt: str, program: Progra
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "user": program.tenant}
     if args.sessions:
         body["session_id"] = program.program_id
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    t0 = time.perf_counter()
-    r = CallResult(False)
-    parts = []
-    try:
-        async with client.post(f"{args.url}/v1/completions", json=body, headers=headers) as resp:
-            if resp.status != 200:
-                text = (await resp.read()).decode(errors="replace")
-                r.error = f"HTTP {resp.status}: {text[:200]}"
-                r.e2e = time.perf_counter() - t0
-                return r
-            async for raw in resp.content:
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    break
-                payload = json.loads(data)
-                usage = payload.get("usage")
-                if usage:
-                    r.output_tokens = usage.get("completion_tokens", 0)
-                    r.prompt_tokens = usage.get("prompt_tokens", 0)
-                    r.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                for choice in payload.get("choices", []):
-                    if choice.get("text"):
-                        parts.append(choice["text"])
-                        if r.ttft is None:
-                            r.ttft = time.perf_counter() - t0
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-        r.e2e = time.perf_counter() - t0
-        return r
-    r.ok, r.text, r.e2e = True, "".join(parts), time.perf_counter() - t0
-    return r
+    r = await stream_completion(client, args.url, body, args.api_key)
+    usage = r.usage or {}
+    return CallResult(r.ok, r.ttft, r.e2e, r.text, usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0),
+                      (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), r.error)
 
 
 async def run_program(client, args, program: Program, t_start: float) -> ProgramResult:

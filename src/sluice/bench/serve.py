@@ -74,18 +74,32 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def one_request(client: aiohttp.ClientSession, url: str, model: str, prompt: str, output_len: int,
-                      api_key: str | None) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+@dataclass
+class Streamed:
+    """One streamed /v1/completions call as the client saw it."""
+    ok: bool
+    e2e: float = 0.0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)   # gaps between text chunks after the first
+    chunks: int = 0
+    text: str = ""
+    usage: dict | None = None
+    error: str | None = None
+
+
+async def stream_completion(client: aiohttp.ClientSession, url: str, body: dict, api_key: str | None) -> Streamed:
+    """POST a streaming completion and read its server-sent events to the end."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
-    ttft, chunks, usage_tokens, last, itls = None, 0, None, None, []
+    r = Streamed(False)
+    parts: list[str] = []
+    last = None
     try:
         async with client.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.read()).decode(errors="replace")
-                return RequestResult(False, e2e=time.perf_counter() - t0, error=f"HTTP {resp.status}: {text[:200]}")
+                r.error, r.e2e = f"HTTP {resp.status}: {text[:200]}", time.perf_counter() - t0
+                return r
             async for raw in resp.content:  # one server-sent-event line at a time
                 if not raw.startswith(b"data:"):
                     continue
@@ -94,20 +108,33 @@ async def one_request(client: aiohttp.ClientSession, url: str, model: str, promp
                     break
                 payload = json.loads(data)
                 if payload.get("usage"):
-                    usage_tokens = payload["usage"].get("completion_tokens")
+                    r.usage = payload["usage"]
                 for choice in payload.get("choices", []):
                     if choice.get("text"):
-                        chunks += 1
+                        r.chunks += 1
+                        parts.append(choice["text"])
                         now = time.perf_counter()
-                        if ttft is None:
-                            ttft = now - t0
+                        if r.ttft is None:
+                            r.ttft = now - t0
                         else:
-                            itls.append(now - last)
+                            r.itls.append(now - last)
                         last = now
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-        return RequestResult(False, e2e=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
-    return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, ttft, time.perf_counter() - t0,
-                         itls=itls)
+        r.error, r.e2e = f"{type(e).__name__}: {e}", time.perf_counter() - t0
+        return r
+    r.ok, r.text, r.e2e = True, "".join(parts), time.perf_counter() - t0
+    return r
+
+
+async def one_request(client: aiohttp.ClientSession, url: str, model: str, prompt: str, output_len: int,
+                      api_key: str | None) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    r = await stream_completion(client, url, body, api_key)
+    if not r.ok:
+        return RequestResult(False, e2e=r.e2e, error=r.error)
+    tokens = (r.usage or {}).get("completion_tokens")
+    return RequestResult(True, tokens if tokens is not None else r.chunks, r.ttft, r.e2e, itls=r.itls)
 
 
 def summarize(results: list[RequestResult], duration: float, concurrency: int | None,
