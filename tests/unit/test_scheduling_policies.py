@@ -339,3 +339,15 @@ def test_while_pins_are_held_admissions_leave_a_block_per_running_request():
     # Each takes 3 blocks; after three (9 taken, 4 free) a fourth would leave 1 < 3 running.
     assert [e.request_id for e in plan.scheduled] == ["x0", "x1", "x2"]
     assert s.sessions.num_pinned == 3
+
+
+def test_a_tenant_flooding_sessions_pushes_out_its_own_pins_not_anothers():
+    s = make(num_blocks=64, max_pinned_fraction=0.25, max_sessions=4)  # pins: at most 16 blocks
+    s.add_request(req("a1", [9000 + j for j in range(14)], session_id="quiet", tenant="A"))
+    admission_order(s)
+    for i in range(8):  # tenant B: eight sessions of 3 pinned blocks each
+        s.add_request(req(f"b{i}", [1000 * (i + 1) + j for j in range(14)], session_id=f"s{i}", tenant="B"))
+        admission_order(s)
+    assert s.sessions.get(("A", "quiet")).num_pinned == 3
+    assert s.sessions.num_pinned <= 16 and len(s.sessions.sessions) == 4
+    assert sum(k[0] == "B" for k in s.sessions.sessions) == 3

@@ -16,7 +16,8 @@ Pins are released, in this order of preference:
      and its own end pins the longer history);
   3. `DELETE /v1/sessions/{id}` (release());
   4. when pinning would take the pinned total over `max_pinned_fraction` of the cache:
-     other sessions' pins, idle sessions' first, soonest to expire first;
+     other sessions' pins: of the tenant holding the most pinned blocks, idle sessions'
+     first, soonest to expire first (so a tenant's pins are pushed out by its own);
   5. when a running request needs blocks the pool does not have: before any running
      request is preempted, pins go, in the same order. A waiting request does not
      release pins to be admitted: it waits for running requests to finish, as it would
@@ -28,13 +29,14 @@ A tenant is the unit of fairness (the `fair` policy: the Virtual Token Counter o
 Sheng et al., OSDI '24): its counter grows by the weighted tokens served to it, divided
 by its weight, and the waiting tenant with the lowest counter is admitted first.
 
-Both tables are bounded: sessions at max_sessions (the one idle longest is dropped,
-pins released), tenants at MAX_TENANTS (idle ones dropped first).
+Both tables are bounded: sessions at max_sessions (the longest idle session of the
+tenant with the most sessions is dropped, its pin released), tenants at MAX_TENANTS
+(idle ones dropped first).
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -115,9 +117,13 @@ class SessionTable:
         # Only idle sessions go (a session with a call in flight is never dropped, so a
         # call's end always finds its session in the table).
         while len(self.sessions) > self.max_sessions:
-            victim = next((s for s in self.sessions.values() if s.active == 0), None)
-            if victim is None:
+            # The tenant with the most sessions loses its longest idle one: a tenant opening
+            # sessions by the thousand pushes out its own, not another tenant's.
+            counts = Counter(k[0] for k, s in self.sessions.items() if s.active == 0)
+            if not counts:
                 return  # every session has a call in flight: the bound waits for one to end
+            top = max(counts.values())
+            victim = next(s for k, s in self.sessions.items() if s.active == 0 and counts[k[0]] == top)
             self._unpin(victim)
             del self.sessions[victim.key]
             self.stats.dropped_sessions += 1
@@ -206,12 +212,13 @@ class SessionTable:
         return freed
 
     def free_for(self, num_blocks: int) -> int:
-        """Release pins, soonest to expire first, until num_blocks more blocks are free in
-        the pool (or no pins are left); for a running request that would otherwise be
+        """Release pins (in _next_to_release's order) until num_blocks more blocks are free
+        in the pool, or no pins are left; for a running request that would otherwise be
         preempted. Returns how many pins were dropped."""
         dropped = 0
-        for s in sorted((s for s in self.sessions.values() if s.blocks), key=self._release_order):
-            if self.pool.num_free_blocks >= num_blocks:
+        while self.pool.num_free_blocks < num_blocks:
+            s = self._next_to_release(keep=None)
+            if s is None:
                 break
             self._unpin(s)
             dropped += 1
@@ -220,18 +227,28 @@ class SessionTable:
 
     def _release_soonest(self, num_blocks: int, keep: Session) -> int:
         dropped = 0
-        for s in sorted((s for s in self.sessions.values() if s.blocks and s is not keep),
-                        key=self._release_order):
-            if num_blocks <= 0:
+        while num_blocks > 0:
+            s = self._next_to_release(keep)
+            if s is None:
                 break
             num_blocks -= self._unpin(s)
             dropped += 1
         return dropped
 
-    @staticmethod
-    def _release_order(s: Session) -> tuple[bool, float]:
-        # Idle sessions first (their next call has not come yet), soonest to expire first.
-        return (s.active > 0, s.expires_at)
+    def _next_to_release(self, keep: Session | None) -> Session | None:
+        """The pin to drop next: of the tenant holding the most pinned blocks (so a tenant's
+        pins are pushed out by its own, and one alone may use the whole cap), an idle
+        session's (its next call has not come yet), the soonest to expire."""
+        held: Counter = Counter()
+        for s in self.sessions.values():
+            if s.blocks and s is not keep:
+                held[s.key[0]] += len(s.blocks)
+        if not held:
+            return None
+        top = max(held.values())
+        return min((s for s in self.sessions.values()
+                    if s.blocks and s is not keep and held[s.key[0]] == top),
+                   key=lambda s: (s.active > 0, s.expires_at))
 
     def reset(self) -> None:
         """Drop every pin (a prefix-cache reset: the blocks' contents are stale)."""

@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pinned-fraction", type=float, default=0.5,
                    help="the most of the KV cache session pins may hold (default 0.5)")
     g.add_argument("--max-sessions", type=int, default=10000,
-                   help="sessions remembered at most; the longest idle is forgotten first (default 10000)")
+                   help="sessions remembered at most; past it the tenant with the most loses its longest idle one "
+                        "(default 10000)")
     g.add_argument("--target-tpot-ms", type=float, default=None,
                    help="hold each step (so each running request's time per output token) to this many ms by "
                         "sizing the step's token budget from measured step times; fewer prompt tokens per step "
