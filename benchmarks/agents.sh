@@ -44,23 +44,11 @@ export HF_HUB_OFFLINE=1
 mkdir -p "$OUTDIR"
 log() { echo "[agents $(date +%H:%M:%S)] $*" >&2; }
 
-SERVER=
-stop_server() {
-    [ -n "$SERVER" ] || return 0
-    kill -TERM "$SERVER" 2>/dev/null || true
-    wait "$SERVER" 2>/dev/null || true
-    SERVER=
-}
-trap stop_server EXIT
-start_server() {  # LOG FLAGS...
+. benchmarks/sluice_server.sh
+kv_server() {  # LOG FLAGS...: every server of this sitting gets the same cache and SERVE_FLAGS
     local logf=$1; shift
     # shellcheck disable=SC2086
-    .venv/bin/sluice serve --port "$PORT" --kv-cache-memory "$KV_GIB" $SERVE_FLAGS "$@" > "$logf" 2>&1 &
-    SERVER=$!
-    until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
-        kill -0 "$SERVER" 2>/dev/null || { echo "server failed: $logf" >&2; exit 1; }
-        sleep 1
-    done
+    start_server "$logf" --kv-cache-memory "$KV_GIB" $SERVE_FLAGS "$@"
 }
 bench() {  # OUT.json ARGS...   (then the server's session and preemption counters, OUT.metrics)
     local out=$1; shift
@@ -78,10 +66,10 @@ for r in $(seq 1 "$ROUNDS"); do
                 log "round $r: programs/$cfg"
                 name=$OUTDIR/programs_${cfg}_r$r
                 if [ "$cfg" = fcfs ]; then
-                    start_server "$name.log" --scheduling-policy fcfs
+                    kv_server "$name.log" --scheduling-policy fcfs
                     bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE"
                 else
-                    start_server "$name.log" --scheduling-policy program
+                    kv_server "$name.log" --scheduling-policy program
                     bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE" --sessions
                 fi
                 stop_server
@@ -95,9 +83,9 @@ for r in $(seq 1 "$ROUNDS"); do
                 log "round $r: fairness/$cfg"
                 name=$OUTDIR/fairness_${cfg}_r$r
                 if [ "$cfg" = fcfs ]; then
-                    start_server "$name.log" --scheduling-policy fcfs
+                    kv_server "$name.log" --scheduling-policy fcfs
                 else
-                    start_server "$name.log" --scheduling-policy fair
+                    kv_server "$name.log" --scheduling-policy fair
                 fi
                 if [ "$cfg" = alone ]; then
                     bench "$name.json" "${mix[@]}" --only-tenant light

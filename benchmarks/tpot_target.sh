@@ -24,14 +24,7 @@ PLOT=${PLOT:-docs/img/tpot_target.png}
 SERVE_FLAGS=${SERVE_FLAGS:-}
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUTDIR"
-SERVER=
-stop_server() {
-    [ -n "$SERVER" ] || return 0
-    kill -TERM "$SERVER" 2>/dev/null || true
-    wait "$SERVER" 2>/dev/null || true
-    SERVER=
-}
-trap stop_server EXIT
+. benchmarks/sluice_server.sh
 for r in $(seq 1 "$ROUNDS"); do
     for t in $TARGETS; do
         name=$OUTDIR/target_${t}_r$r
@@ -39,12 +32,7 @@ for r in $(seq 1 "$ROUNDS"); do
         [ "$t" = none ] || flags=(--target-tpot-ms "$t")
         echo "[tpot_target $(date +%H:%M:%S)] round $r: target $t" >&2
         # shellcheck disable=SC2086
-        .venv/bin/sluice serve --port "$PORT" $SERVE_FLAGS "${flags[@]}" > "$name.log" 2>&1 &
-        SERVER=$!
-        until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
-            kill -0 "$SERVER" 2>/dev/null || { echo "server failed: $name.log" >&2; exit 1; }
-            sleep 1
-        done
+        start_server "$name.log" $SERVE_FLAGS "${flags[@]}"
         .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
             --input-len 210 --output-len 128 --seed "$r" --json "$name.json" > /dev/null
         curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^sluice_tpot_target_(misses|decode_steps)_total' \

@@ -82,6 +82,22 @@ GPU_MAX_NUM_BATCHED_TOKENS = 2048
 SCHEDULING_POLICIES = ("fcfs", "priority", "program", "fair")
 
 
+def parse_name_weights(items: list[str], flag: str, what: str = "WEIGHT") -> dict[str, float]:
+    """Repeated NAME=NUMBER flags (--tenant-weight, bench agents' --tenant) as a dict;
+    ValueError naming the flag and the bad item."""
+    out = {}
+    for item in items:
+        name, sep, weight = item.rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = None
+        if not sep or not name or value is None or not value > 0:
+            raise ValueError(f"{flag} takes NAME={what} with a {what.lower()} > 0, got {item!r}")
+        out[name] = value
+    return out
+
+
 @dataclass
 class SchedulerConfig:
     # None: CPU_MAX_NUM_BATCHED_TOKENS on a CPU, GPU_MAX_NUM_BATCHED_TOKENS elsewhere.

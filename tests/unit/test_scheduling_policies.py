@@ -144,6 +144,11 @@ def test_unknown_policy_and_bad_fields_are_refused():
     with pytest.raises(ValueError, match="session_id"):
         check_scheduling_fields("", None, 0)
     check_scheduling_fields("x" * 256, "t", 0)
+    from sluice.config import parse_name_weights
+    assert parse_name_weights(["a=2", "b=0.5"], "--tenant-weight") == {"a": 2.0, "b": 0.5}
+    for bad in ("a", "=2", "a=0", "a=x"):
+        with pytest.raises(ValueError, match="--tenant-weight takes NAME=WEIGHT"):
+            parse_name_weights([bad], "--tenant-weight")
 
 
 # -- sessions -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from sluice.bench.serve import TIMEOUT, percentile, stream_completion
+from sluice.config import parse_name_weights
 
 
 @dataclass
@@ -84,17 +85,9 @@ def make_programs(args) -> list[Program]:
 
 
 def parse_tenants(items: list[str]) -> dict[str, float]:
-    out = {}
-    for item in items or ["default=1"]:
-        name, sep, share = item.partition("=")
-        try:
-            value = float(share) if sep else 1.0
-        except ValueError:
-            value = -1.0
-        if not name or not value > 0:
-            raise ValueError(f"--tenant takes NAME=SHARE with a share > 0, got {item!r}")
-        out[name] = value
-    return out
+    """--tenant NAME=SHARE flags (a bare NAME has share 1; none: one tenant)."""
+    items = [i if "=" in i else f"{i}=1" for i in items or ["default"]]
+    return parse_name_weights(items, "--tenant", "SHARE")
 
 
 async def call(client: aiohttp.ClientSession, args, prompt: str, program: Program) -> CallResult:

@@ -127,11 +127,6 @@ class KVCacheManager:
         need = self.blocks_needed(total) - held - len(prefix.blocks)
         return max(need, 0) + sum(1 for b in prefix.blocks if b.ref_cnt == 0)
 
-    def new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Free blocks an allocate() of num_new_tokens (no cached prefix) would take."""
-        held = len(self.req_blocks.get(request.request_id, ()))
-        return max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - held)
-
     def allocate(self, request: Request, num_new_tokens: int,
                  prefix: CachedPrefix = _NO_PREFIX) -> KVAllocation | None:
         """Room for the request's next num_new_tokens tokens (after its computed tokens and

@@ -223,7 +223,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate(req, n) is None:
                 # Pinned session blocks go before any running request is preempted.
-                if self.sessions.num_pinned and self.sessions.free_for(self.kv.new_blocks_needed(req, n)):
+                if self.sessions.num_pinned and self.sessions.free_for(self.kv.free_blocks_taken(req, n)):
                     decisions.append(f"unpin for {req.request_id}")
                     continue
                 victim = self._victim()
@@ -260,7 +260,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 decisions.append(f"admit {req.request_id} ({self.config.policy})")
             if req.session is not None:
-                self.sessions.call_admitted(req.session, prefix.num_tokens)
+                self.sessions.call_admitted(req.session)
             req.num_computed_tokens += prefix.num_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = prefix.num_tokens
@@ -323,9 +323,9 @@ class Scheduler:
             req.served_tokens += n
             if req.session is not None:
                 req.session.service += n
-            # VTC: prompt tokens when computed, output tokens when sampled.
-            prompt_part = max(0, min(entry.start_pos + n, req.num_prompt_tokens) - entry.start_pos)
-            self.tenants.charge(req.tenant, prompt_part, 1 if entry.needs_logits else 0)
+            if self.config.policy == "fair":  # VTC: prompt tokens when computed, outputs when sampled
+                prompt_part = max(0, min(entry.start_pos + n, req.num_prompt_tokens) - entry.start_pos)
+                self.tenants.charge(req.tenant, prompt_part, 1 if entry.needs_logits else 0)
             plp = result.prompt_logprobs.get(entry.request_id)
             if plp is not None and req.prompt_logprobs is not None:
                 self._store_prompt_logprobs(req, plp)

@@ -72,7 +72,6 @@ class Session:
 class SessionStats:
     pinned_calls: int = 0        # call ends that pinned their blocks
     hits: int = 0                # calls admitted while their session held a pin
-    hit_tokens: int = 0          # prompt tokens those calls found cached
     expired: int = 0             # pins dropped by their TTL
     released: int = 0            # pins dropped by DELETE
     evicted_for_cap: int = 0     # pins dropped to stay under max_pinned_fraction
@@ -90,6 +89,9 @@ class SessionTable:
         self.max_sessions = max_sessions
         self.clock = clock
         self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # least recently used first
+        # The sessions holding a pin: what expire() and the release order look at, every
+        # step while pins exist, without walking every remembered session.
+        self.pinned: dict[tuple[str, str], Session] = {}
         self.num_pinned = 0
         self.stats = SessionStats()
 
@@ -160,6 +162,7 @@ class SessionTable:
         old = s.blocks
         s.blocks = list(blocks)
         self.num_pinned += len(blocks) - len(old)
+        self.pinned[s.key] = s
         if old:
             self.pool.free(list(reversed(old)))
         s.expires_at = now + ttl
@@ -168,12 +171,11 @@ class SessionTable:
         if over > 0:
             self.stats.evicted_for_cap += self._release_soonest(over, keep=s)
 
-    def call_admitted(self, s: Session, cached_tokens: int) -> None:
+    def call_admitted(self, s: Session) -> None:
         """The session's call was admitted with its cached prefix taken: the call holds
         those blocks now, so the pin goes."""
         if s.blocks:
             self.stats.hits += 1
-            self.stats.hit_tokens += cached_tokens
             self._unpin(s)
 
     def _unpin(self, s: Session) -> int:
@@ -183,6 +185,7 @@ class SessionTable:
             self.pool.free(list(reversed(s.blocks)))
             s.blocks = []
             self.num_pinned -= n
+            del self.pinned[s.key]
         return n
 
     def release(self, key: tuple[str, str]) -> int | None:
@@ -203,10 +206,10 @@ class SessionTable:
         """Drop pins past their TTL; returns how many blocks went back to the pool."""
         now = self.clock() if now is None else now
         freed = 0
-        for s in self.sessions.values():
+        for s in list(self.pinned.values()):
             # A session with a call queued keeps its pin past the TTL: the call is about to
             # read it (the TTL bounds the wait for the next call, not its time in the queue).
-            if s.blocks and s.expires_at <= now and s.active == 0:
+            if s.expires_at <= now and s.active == 0:
                 freed += self._unpin(s)
                 self.stats.expired += 1
         return freed
@@ -240,19 +243,18 @@ class SessionTable:
         pins are pushed out by its own, and one alone may use the whole cap), an idle
         session's (its next call has not come yet), the soonest to expire."""
         held: Counter = Counter()
-        for s in self.sessions.values():
-            if s.blocks and s is not keep:
+        for s in self.pinned.values():
+            if s is not keep:
                 held[s.key[0]] += len(s.blocks)
         if not held:
             return None
         top = max(held.values())
-        return min((s for s in self.sessions.values()
-                    if s.blocks and s is not keep and held[s.key[0]] == top),
+        return min((s for s in self.pinned.values() if s is not keep and held[s.key[0]] == top),
                    key=lambda s: (s.active > 0, s.expires_at))
 
     def reset(self) -> None:
         """Drop every pin (a prefix-cache reset: the blocks' contents are stale)."""
-        for s in self.sessions.values():
+        for s in list(self.pinned.values()):
             self._unpin(s)
 
 

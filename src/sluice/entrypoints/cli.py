@@ -8,7 +8,7 @@ import logging
 import sys
 import uuid
 
-from sluice.config import DEFAULT_MODEL
+from sluice.config import DEFAULT_MODEL, parse_name_weights
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,22 +77,7 @@ def engine_kwargs(args) -> dict:
                 session_ttl_s=args.session_ttl, session_ttl_max_s=args.session_ttl_max,
                 max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
                 target_tpot_ms=args.target_tpot_ms,
-                tenant_weights=tenant_weights(args.tenant_weight))
-
-
-def tenant_weights(items: list[str]) -> dict[str, float]:
-    """--tenant-weight NAME=WEIGHT flags as a dict; ValueError naming a bad one."""
-    out = {}
-    for item in items:
-        name, sep, weight = item.rpartition("=")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = None
-        if not sep or not name or value is None or not value > 0:
-            raise ValueError(f"--tenant-weight takes NAME=WEIGHT with a weight > 0, got {item!r}")
-        out[name] = value
-    return out
+                tenant_weights=parse_name_weights(args.tenant_weight, "--tenant-weight"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
