@@ -83,7 +83,8 @@ def test_priority_preempts_the_highest_value():
 
 def test_program_orders_by_attained_service_with_starvation_protection():
     clock = Clock()
-    s = make(max_num_seqs=1, policy="program", clock=clock, starvation_s=30.0)
+    # (No pins: a pinned session's call would go first, test_program_admits_warm_calls_first.)
+    s = make(max_num_seqs=1, policy="program", clock=clock, starvation_s=30.0, session_ttl_s=0)
     # Session "long" has been served 40 tokens by an earlier call.
     s.add_request(req("long-1", 36, max_tokens=4, arrival=clock.t, session_id="long"))
     admission_order(s)
@@ -99,6 +100,25 @@ def test_program_orders_by_attained_service_with_starvation_protection():
     s.add_request(req("long-3", 8, arrival=clock.t - 31, session_id="long"))
     s.add_request(req("short-2", 8, arrival=clock.t, session_id="short"))
     assert admission_order(s) == ["long-3", "short-2"]
+
+
+def test_program_admits_warm_calls_first():
+    clock = Clock()
+    s = make(max_num_seqs=1, policy="program", clock=clock)   # first TTL: 30 s
+    s.add_request(req("mid-1", [3000 + j for j in range(20)], max_tokens=4, arrival=clock.t, session_id="mid"))
+    admission_order(s)
+    clock.t += 20
+    s.add_request(req("long-1", 36, max_tokens=4, arrival=clock.t, session_id="long"))
+    admission_order(s)
+    assert s.sessions.get(("", "long")).num_pinned == 9 and s.sessions.get(("", "mid")).num_pinned == 5
+    clock.t += 15
+    s.schedule()                                       # mid's pin expires, long's has not
+    s.add_request(req("new-1", [4000 + j for j in range(8)], arrival=clock.t, session_id="new"))
+    s.add_request(req("mid-2", [3000 + j for j in range(24)], arrival=clock.t, session_id="mid"))
+    s.add_request(req("long-2", list(range(100, 136)) + [TOK] * 4 + [1, 2], arrival=clock.t + 1, session_id="long"))
+    # The warm call first though its program is the most served; then PLAS among the cold.
+    assert admission_order(s) == ["long-2", "new-1", "mid-2"]
+    assert s.sessions.stats.hits == 1 and s.sessions.stats.expired == 1
 
 
 def test_fair_interleaves_tenants_by_counter():

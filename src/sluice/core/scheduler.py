@@ -17,7 +17,12 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             far (tokens computed for all its calls) first, ties by arrival; a call waiting
             longer than starvation_s goes ahead of all that have not waited as long; the
             running call of the most-served program is preempted. A call without a session
-            is a program of its own.
+            is a program of its own. Warm calls first: a call whose session holds its pin
+            goes ahead of every cold call (then PLAS among each): it computes only its new
+            turn, the cheapest work in the queue, and each step it waits its pin holds
+            cache that serves nobody; under PLAS alone a long program's pinned next call
+            waited behind every new program, and its pin was pushed out (cap, room) before
+            it ran (docs/benchmarks.md, "Agent programs").
   fair      VTC: the waiting request of the tenant with the lowest counter (weighted tokens
             served / weight) first, in arrival order within a tenant; the running request of
             the tenant with the highest counter is preempted.
@@ -162,7 +167,8 @@ class Scheduler:
             def key(r: Request):
                 if now - r.arrival_time >= starve:
                     return (0, 0, r.arrival_time)  # starved: ahead of the rest, oldest first
-                return (1, self._service(r), r.arrival_time)
+                cold = r.session is None or r.session.num_pinned == 0
+                return (1, cold, self._service(r), r.arrival_time)
             return min(self.waiting, key=key)
         # fair: the lowest-counter tenant's earliest request (waiting keeps arrival order,
         # preempted requests at the front).
