@@ -109,16 +109,20 @@ def test_program_admits_warm_calls_first():
     admission_order(s)
     clock.t += 20
     s.add_request(req("long-1", 36, max_tokens=4, arrival=clock.t, session_id="long"))
+    s.add_request(req("x1", [6000 + j for j in range(14)], max_tokens=4, arrival=clock.t, session_id="x"))
     admission_order(s)
-    assert s.sessions.get(("", "long")).num_pinned == 9 and s.sessions.get(("", "mid")).num_pinned == 5
+    assert [s.sessions.get(("", n)).num_pinned for n in ("long", "mid", "x")] == [9, 5, 4]
     clock.t += 15
     s.schedule()                                       # mid's pin expires, long's has not
     s.add_request(req("new-1", [4000 + j for j in range(8)], arrival=clock.t, session_id="new"))
     s.add_request(req("mid-2", [3000 + j for j in range(24)], arrival=clock.t, session_id="mid"))
     s.add_request(req("long-2", list(range(100, 136)) + [TOK] * 4 + [1, 2], arrival=clock.t + 1, session_id="long"))
-    # The warm call first though its program is the most served; then PLAS among the cold.
-    assert admission_order(s) == ["long-2", "new-1", "mid-2"]
-    assert s.sessions.stats.hits == 1 and s.sessions.stats.expired == 1
+    # x holds a pin, but its call does not re-send that history: cold.
+    s.add_request(req("x2", [6100 + j for j in range(8)], arrival=clock.t, session_id="x"))
+    # The warm call first though its program is the most served; then PLAS among the cold
+    # (served so far: new 0, x 17, mid 23).
+    assert admission_order(s) == ["long-2", "new-1", "x2", "mid-2"]
+    assert s.sessions.stats.hits == 2 and s.sessions.stats.expired == 1   # (x2's admission took x's pin too)
 
 
 def test_fair_interleaves_tenants_by_counter():

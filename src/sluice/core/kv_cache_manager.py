@@ -119,6 +119,15 @@ class KVCacheManager:
             found.append(block)
         return CachedPrefix(tuple(found), len(found) * self.block_size, request.num_tokens)
 
+    def resends(self, request: Request, blocks: list[KVBlock]) -> bool:
+        """Whether the request begins with the content of `blocks` (a session's pinned
+        history): the hash of its len(blocks)-th full block is the last one's. The hashes
+        are the ones find_cached_prefix computes for it anyway (kept per request)."""
+        n = len(blocks)
+        if not n or not self._hashing(request) or (request.num_tokens - 1) // self.block_size < n:
+            return False
+        return self._hashes(request, n)[n - 1] == blocks[-1].block_hash
+
     def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX) -> int:
         """How many free blocks allocate(request, num_new_tokens, prefix) would take (new
         ones, and cached ones it revives from the free list)."""

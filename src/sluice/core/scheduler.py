@@ -17,8 +17,9 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             far (tokens computed for all its calls) first, ties by arrival; a call waiting
             longer than starvation_s goes ahead of all that have not waited as long; the
             running call of the most-served program is preempted. A call without a session
-            is a program of its own. Warm calls first: a call whose session holds its pin
-            goes ahead of every cold call (then PLAS among each): it computes only its new
+            is a program of its own. Warm calls first: a call that re-sends the history its
+            session holds pinned goes ahead of every cold call (then PLAS among each): it
+            computes only its new
             turn, the cheapest work in the queue, and each step it waits its pin holds
             cache that serves nobody; under PLAS alone a long program's pinned next call
             waited behind every new program, and its pin was pushed out (cap, room) before
@@ -154,6 +155,11 @@ class Scheduler:
         """The attained service of the request's program: its session's, else its own."""
         return req.session.service if req.session is not None else req.served_tokens
 
+    def _is_warm(self, req: Request) -> bool:
+        """A call that re-sends the history its session holds pinned (only its new turn
+        is left to compute)."""
+        return req.session is not None and req.session.num_pinned > 0 and self.kv.resends(req, req.session.blocks)
+
     def _next_waiting(self, now: float) -> Request:
         """The waiting request the policy admits next."""
         policy = self.config.policy
@@ -167,8 +173,7 @@ class Scheduler:
             def key(r: Request):
                 if now - r.arrival_time >= starve:
                     return (0, 0, r.arrival_time)  # starved: ahead of the rest, oldest first
-                cold = r.session is None or r.session.num_pinned == 0
-                return (1, cold, self._service(r), r.arrival_time)
+                return (1, not self._is_warm(r), self._service(r), r.arrival_time)
             return min(self.waiting, key=key)
         # fair: the lowest-counter tenant's earliest request (waiting keeps arrival order,
         # preempted requests at the front).
