@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from sluice.sampling_params import SamplingParams
 
+# The longest session_id accepted (offline and on the server).
+MAX_SESSION_ID_CHARS = 256
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -128,26 +128,25 @@ class KVCacheManager:
             return False
         return self._hashes(request, n)[n - 1] == blocks[-1].block_hash
 
-    def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX) -> int:
-        """How many free blocks allocate(request, num_new_tokens, prefix) would take (new
-        ones, and cached ones it revives from the free list)."""
+    def _new_blocks(self, request: Request, num_new_tokens: int, prefix: CachedPrefix) -> int:
+        """Blocks allocate() adds to those the request holds and the prefix it takes."""
         held = len(self.req_blocks.get(request.request_id, ()))
         total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
-        need = self.blocks_needed(total) - held - len(prefix.blocks)
-        return max(need, 0) + sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+        return max(self.blocks_needed(total) - held - len(prefix.blocks), 0)
+
+    def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX) -> int:
+        """How many free blocks allocate(request, num_new_tokens, prefix) would take: new
+        ones, and cached ones it revives from the free list (a free block each too)."""
+        return self._new_blocks(request, num_new_tokens, prefix) + sum(1 for b in prefix.blocks if b.ref_cnt == 0)
 
     def allocate(self, request: Request, num_new_tokens: int,
                  prefix: CachedPrefix = _NO_PREFIX) -> KVAllocation | None:
         """Room for the request's next num_new_tokens tokens (after its computed tokens and
         any cached prefix it takes now), or None if the pool cannot supply it now (nothing
         is taken in that case)."""
-        held = self.req_blocks.get(request.request_id, [])
-        total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(held) - len(prefix.blocks)
-        # Reviving a cached block that sits in the free list uses up a free block too.
-        revived = sum(1 for b in prefix.blocks if b.ref_cnt == 0)
-        if max(need, 0) + revived > self.pool.num_free_blocks:
+        if self.free_blocks_taken(request, num_new_tokens, prefix) > self.pool.num_free_blocks:
             return None
+        need = self._new_blocks(request, num_new_tokens, prefix)
         self.pool.take(list(prefix.blocks))
         # Prefix statistics per admission (a lookup for a request that then waits, and is
         # looked up again next step, is not a second query).
@@ -161,7 +160,7 @@ class KVCacheManager:
             # Name the blocks this step fills. Their K/V is written in this step's forward
             # pass before any layer reads it, so a request admitted later in the same step
             # may already share them.
-            full = total // self.block_size
+            full = (request.num_computed_tokens + prefix.num_tokens + num_new_tokens) // self.block_size
             done = self.req_num_named.get(request.request_id, 0)
             if full > done:
                 hashes = self._hashes(request, full)

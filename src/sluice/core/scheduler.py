@@ -19,11 +19,10 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             running call of the most-served program is preempted. A call without a session
             is a program of its own. Warm calls first: a call that re-sends the history its
             session holds pinned goes ahead of every cold call (then PLAS among each): it
-            computes only its new
-            turn, the cheapest work in the queue, and each step it waits its pin holds
-            cache that serves nobody; under PLAS alone a long program's pinned next call
-            waited behind every new program, and its pin was pushed out (cap, room) before
-            it ran (docs/benchmarks.md, "Agent programs").
+            computes only its new turn, the cheapest work in the queue, and each step it
+            waits its pin holds cache that serves nobody; under PLAS alone a long
+            program's pinned next call waited behind every new program, and its pin was
+            pushed out (cap, room) before it ran (docs/benchmarks.md, "Agent programs").
   fair      VTC: the waiting request of the tenant with the lowest counter (weighted tokens
             served / weight) first, in arrival order within a tenant; the running request of
             the tenant with the highest counter is preempted.

@@ -22,7 +22,7 @@ from sluice.engine.output_processor import OutputProcessor
 from sluice.models.loader import iter_weights, load_hf_config, resolve_model
 from sluice.models.registry import build_model
 from sluice.outputs import RequestOutput
-from sluice.request import Request, RequestStatus
+from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.tokenizer import Tokenizer
 from sluice.worker.model_runner import ModelRunner, RunnerTimings
@@ -52,9 +52,6 @@ class StepTimings:
     def reset(self) -> None:
         self.steps, self.schedule, self.execute, self.update_and_output = 0, 0.0, 0.0, 0.0
         self.runner.prepare = self.runner.forward = self.runner.sample = 0.0
-
-
-MAX_SESSION_ID_CHARS = 256
 
 
 def check_scheduling_fields(session_id, tenant, priority) -> None:

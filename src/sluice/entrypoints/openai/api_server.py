@@ -32,6 +32,7 @@ from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
 from sluice.metrics import Metrics
+from sluice.request import MAX_SESSION_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +263,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     async def delete_session(session_id: str, raw: Request, user: str | None = None):
         """Release a session's pinned KV blocks now (its tenant's: the key's, or ?user=)."""
         tenant, _ = identity(raw, user)
-        if len(session_id) > 256:
-            raise APIError(400, "session_id must be at most 256 characters", param="session_id")
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            raise APIError(400, f"session_id must be at most {MAX_SESSION_ID_CHARS} characters", param="session_id")
         released = await engine.release_session(session_id, tenant)
         if released is None:
             raise APIError(404, f"no session {session_id!r} for this tenant", param="session_id",

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from sluice.request import MAX_SESSION_ID_CHARS
+
 # Deeper than this a JSON body is refused (400) before any field is read: nothing in the
 # API nests more than a few levels, and deep values are costly to copy and to render.
 MAX_BODY_DEPTH = 32
@@ -79,7 +81,7 @@ class _SamplingFields(BaseModel):
     # sluice's scheduling extensions (core/scheduler.py): the agent program this call
     # belongs to, whose KV stays pinned for its next call (namespaced by tenant), and a
     # priority, lower first under --scheduling-policy priority (vLLM's semantics).
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     priority: StrictInt = Field(default=0, ge=0)
 
 
