@@ -125,15 +125,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    # Compiled grammars kept for reuse (least recently used dropped past it).
+    grammar_cache_size: int = 64
+    # A grammar still compiling after this many seconds is refused (the server's 400).
+    grammar_compile_timeout_s: float = 10.0
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Flat keyword arguments (model=, dtype=, block_size=, ...) to nested config."""
-        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "structured": StructuredOutputsConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
             for name, klass in parts.items():
@@ -174,6 +184,12 @@ class EngineConfig:
             raise ValueError(f"max_sessions must be >= 1, got {s.max_sessions}")
         if s.target_tpot_ms is not None and not s.target_tpot_ms > 0:
             raise ValueError(f"target_tpot_ms must be > 0 ms, got {s.target_tpot_ms}")
+        g = self.structured
+        if isinstance(g.grammar_cache_size, bool) or not isinstance(g.grammar_cache_size, int) \
+                or g.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g.grammar_cache_size!r}")
+        if not g.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0 seconds, got {g.grammar_compile_timeout_s}")
         for name, w in s.tenant_weights.items():
             if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
                 raise ValueError(f"tenant_weights must map tenant names to weights > 0; got {name!r}: {w!r}")

@@ -77,6 +77,17 @@ class Metrics:
         self.tpot_target_steps = Counter("sluice_tpot_target_decode_steps", "Steps with decodes, under a target",
                                          labels, registry=r)
         self.step_budget = Gauge("sluice_step_token_budget", "Token budget of the last step", labels, registry=r)
+        self.grammar_rows = Counter("sluice_grammar_rows", "Rows sampled under a grammar (structured outputs)",
+                                    labels, registry=r)
+        self.grammar_fill = Counter("sluice_grammar_mask_fill_seconds", "Seconds spent filling token masks, on the "
+                                    "mask thread beside the forward pass", labels, registry=r)
+        self.grammar_wait = Counter("sluice_grammar_mask_wait_seconds", "Seconds steps waited for their token masks "
+                                    "after the forward pass", labels, registry=r)
+        self.grammar_compiles = Counter("sluice_grammar_compiles", "Grammars compiled (cache misses)", labels,
+                                        registry=r)
+        self.grammar_compile_seconds = Counter("sluice_grammar_compile_seconds", "Seconds spent compiling grammars",
+                                               labels, registry=r)
+        self._grammar_seen = (0, 0.0, 0.0, 0, 0.0)
         self._misses_seen = 0
         self._decode_steps_seen = 0
         self._tenant_labels: set[str] = set()
@@ -125,6 +136,12 @@ class Metrics:
                              ("evicted_for_room", st.evicted_for_room)):
             self.session_events.labels(m, event).inc(_delta(count, self._session_seen.get(event, 0)))
             self._session_seen[event] = count
+        masks, grammars = engine.runner.masks, engine.grammars
+        now = (masks.rows, masks.fill_seconds, masks.wait_seconds, grammars.compiles, grammars.compile_seconds)
+        for metric, value, seen in zip((self.grammar_rows, self.grammar_fill, self.grammar_wait,
+                                        self.grammar_compiles, self.grammar_compile_seconds), now, self._grammar_seen):
+            metric.labels(m).inc(_delta(value, seen))
+        self._grammar_seen = now
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
 

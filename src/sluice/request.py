@@ -66,6 +66,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # It ended on an EOS or stop token id, which is in its tokens but not its text.
+        self.ended_by_token = False
         # Per output token: {token_id: Logprob} with the chosen token and the top-N.
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         # Per prompt position: {token_id: Logprob} with the prompt token and the top-N, stored
@@ -74,6 +76,8 @@ class Request:
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         # Logits positions 0 .. num_prompt_logprobs - 1 have been scored (always a prefix).
         self.num_prompt_logprobs = 0
+        # structured_outputs: its structured.grammar.Grammar (parser state), else None.
+        self.grammar = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -115,11 +119,17 @@ class Request:
         if n_out >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
+                self.ended_by_token = True
                 return True
             if last in self.params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
+                self.ended_by_token = True
                 return True
+        if self.grammar is not None and self.grammar.finished:
+            # The output is complete (or its grammar broke): nothing but EOS could follow.
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True

@@ -5,6 +5,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from sluice.structured.params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 # Temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM does the same).
@@ -51,6 +52,9 @@ class SamplingParams:
     logprobs: int | None = None       # None: none; k: the chosen token plus the top k
     # None: none; k: per prompt token (after the first) its logprob and rank plus the top k.
     prompt_logprobs: int | None = None
+    # What the output must match (a JSON schema, a regex, a choice, a grammar): a
+    # StructuredOutputsParams, or a dict of its fields. None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, **kwargs):
         names = {f.name for f in dataclasses.fields(self)}
@@ -103,6 +107,8 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN
                                             for s in self.stop):
             raise ValueError(f"stop must be a list of at most {MAX_STOP} non-empty strings of at most "

@@ -30,6 +30,7 @@ Sessions (pinned KV between calls) work under every policy.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from sluice.core.latency_target import StepTimeModel
 from sluice.core.sessions import SessionTable, TenantCounters
 from sluice.request import Logprob, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +62,9 @@ class ScheduledRequest:
     # Prompt logprobs due this step: logits positions [lo, hi) of this chunk, each scoring
     # the prompt token after it (prompt_token_ids[p + 1]); None when none are due.
     prompt_logprob_positions: tuple[int, int] | None = None
+    # Its structured_outputs parser state (structured/grammar.py) when a token is due:
+    # the runner masks its logits to what the grammar allows; update() feeds it the token.
+    grammar: object | None = None
 
 
 @dataclass
@@ -308,6 +314,7 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             banned_token_ids=banned,
             prompt_logprob_positions=prompt_lp,
+            grammar=req.grammar if needs_logits else None,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -343,6 +350,11 @@ class Scheduler:
                 continue
             sampled = result.sampled[entry.request_id]
             req.output_token_ids.append(sampled.token_id)
+            if req.grammar is not None and not req.grammar.accept(sampled.token_id) \
+                    and sampled.token_id not in req.eos_token_ids:
+                # Masked sampling only picks allowed tokens; this is a grammar engine fault.
+                logger.warning("request %s: its grammar refused sampled token %d (%s); ending it",
+                               req.request_id, sampled.token_id, req.grammar.error[:200])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if req.logprobs is not None and sampled.logprobs is not None:

@@ -24,6 +24,7 @@ from sluice.models.registry import build_model
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
+from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
 from sluice.worker.model_runner import ModelRunner, RunnerTimings
 
@@ -92,10 +93,15 @@ class LLMEngine:
         prepare_model(model, self.backend, mc.quantization, self.max_model_len)
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
+        # structured_outputs: grammars compiled for this tokenizer (on first use).
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids, arch.vocab_size,
+                                        cache_size=config.structured.grammar_cache_size,
+                                        compile_timeout_s=config.structured.grammar_compile_timeout_s)
         self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
                                   kernels=self.backend.kernels,
                                   batch_invariant_kernels=model_kernels if mc.deterministic else None,
-                                  flat_prefill=model_kernels is not None)
+                                  flat_prefill=model_kernels is not None,
+                                  grammar_mask_width=self.grammars.mask_width)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
@@ -136,6 +142,8 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         self._check_vocab(params)
         max_tokens = self._check_fits(len(ids), params)
+        # Compiled here unless the server already did (off this thread: then a cache hit).
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         children = []
         for i in range(params.n):
             child_params = params
@@ -149,6 +157,8 @@ class LLMEngine:
                                     max_tokens, arrival_time, cache_salt=cache_salt,
                                     share_key=request_id if params.n > 1 else None,
                                     session_id=session_id, tenant=tenant or "", priority=priority))
+            if grammar is not None:
+                children[-1].grammar = grammar if i == 0 else grammar.copy()
         self.outputs.add(request_id, text, ids, children)
         for child in children:
             self.scheduler.add_request(child)

@@ -98,7 +98,7 @@ class OutputProcessor:
         token = req.output_token_ids[-1]
         old_len = len(state.text)
         # A stop token (EOS or a stop id) ends the text; it is in token_ids but not shown.
-        stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
+        stopped_by_token = req.ended_by_token
         if not stopped_by_token:
             state.text += state.detok.add(token)
         if req.is_finished():
@@ -107,7 +107,7 @@ class OutputProcessor:
             for tid, lp in req.logprobs[-1].items():
                 lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
         stops = req.params.stop
-        if stops and req.status is not RequestStatus.FINISHED_STOPPED:
+        if stops and not stopped_by_token:
             # A new match must end in the new text, so it starts at most len(stop) - 1 before it.
             search_from = max(0, old_len - max(len(s) for s in stops) + 1)
             hit = None

@@ -61,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "when it would break (default: none, the fixed --max-num-batched-tokens)")
     g.add_argument("--tenant-weight", action="append", default=[], metavar="NAME=WEIGHT",
                    help="fair policy: a tenant's weight (default 1; repeatable)")
+    g.add_argument("--grammar-cache-size", type=int, default=64,
+                   help="structured outputs: compiled grammars kept for reuse (default 64)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="structured outputs: seconds a grammar may take to compile before the request is "
+                        "refused (default 10)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
                         "whatever else shares its batch (docs/determinism.md)")
@@ -76,7 +81,8 @@ def engine_kwargs(args) -> dict:
                 cpu_isa=args.cpu_isa, policy=args.scheduling_policy, starvation_s=args.starvation_timeout,
                 session_ttl_s=args.session_ttl, session_ttl_max_s=args.session_ttl_max,
                 max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
-                target_tpot_ms=args.target_tpot_ms,
+                target_tpot_ms=args.target_tpot_ms, grammar_cache_size=args.grammar_cache_size,
+                grammar_compile_timeout_s=args.grammar_compile_timeout,
                 tenant_weights=parse_name_weights(args.tenant_weight, "--tenant-weight"))
 
 

@@ -11,6 +11,7 @@ import torch
 from sluice.config import CacheConfig
 from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
+from sluice.structured.grammar import MaskFiller
 from sluice.worker.attention import INT8_ROW_EXTRA, AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 
@@ -56,7 +57,8 @@ PROMPT_LOGPROB_ROWS = 256
 
 class ModelRunner:
     def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 kernels=None, batch_invariant_kernels=None, flat_prefill: bool = False):
+                 kernels=None, batch_invariant_kernels=None, flat_prefill: bool = False,
+                 grammar_mask_width: int | None = None):
         self.model = model
         # Deterministic mode: attention for every token through one batch-invariant kernel.
         self.batch_invariant_kernels = batch_invariant_kernels
@@ -90,6 +92,8 @@ class ModelRunner:
         self.sampler = Sampler(generator, getattr(self.decode_kernel, "argmax_rows", None))
         self.vocab_size = self.arch.vocab_size
         self.timings = RunnerTimings()
+        # structured_outputs rows: their token masks, filled while the forward pass runs.
+        self.masks = MaskFiller(grammar_mask_width or (self.vocab_size + 31) // 32)
 
     # -- inputs ---------------------------------------------------------------
     def _prepare(self, plan: StepPlan):
@@ -166,7 +170,7 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
 
-    def _sampling_metadata(self, entries: list[ScheduledRequest]) -> SamplingMetadata:
+    def _sampling_metadata(self, entries: list[ScheduledRequest], allowed=None) -> SamplingMetadata:
         dev, V = self.device, self.vocab_size
         params = [e.params for e in entries]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
@@ -209,7 +213,7 @@ class ModelRunner:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) if any_min_p else None,
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
             output_counts=counts, prompt_mask=prompt_mask, banned=banned,
-            generators=generators,
+            generators=generators, allowed=allowed,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
 
@@ -220,17 +224,26 @@ class ModelRunner:
             return StepResult({})
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_rows = self._prepare(plan)
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        t2 = time.perf_counter()
         entries = [e for e in plan.scheduled if e.needs_logits]
+        grammar_rows = [i for i, e in enumerate(entries) if e.grammar is not None]
+        # The constrained rows' masks are computed on a thread while the model runs.
+        masks = self.masks.start([entries[i].grammar for i in grammar_rows]) if grammar_rows else None
+        t1 = time.perf_counter()
+        try:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        finally:
+            allowed = None
+            if masks is not None:  # even when the forward failed: the thread must be done with them
+                allowed = (torch.tensor(grammar_rows, dtype=torch.long, device=self.device),
+                           self.masks.finish(masks, self.vocab_size).to(self.device))
+        t2 = time.perf_counter()
         sampled: dict[str, SampledToken] = {}
         if entries:
             # logits_rows is padded to a bucket too; the extra rows repeat the first one.
             rows = hidden.index_select(0, logits_rows)
-            meta = self._sampling_metadata(entries)
+            meta = self._sampling_metadata(entries, allowed)
             greedy = None
-            if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
+            if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None and meta.allowed is None
                     and meta.repetition_penalty is None and hasattr(self.model, "greedy_tokens")):
                 # Only the argmax is wanted: the model's fast path for it, where it has one.
                 greedy = self.model.greedy_tokens(rows)

@@ -35,6 +35,8 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
     generators: list[torch.Generator | None]  # per row; None draws from the shared stream
     max_num_logprobs: int               # -1: no row wants logprobs
+    # structured_outputs: (rows [R], allowed [R, V] bool) — those rows sample only allowed tokens.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -80,6 +82,8 @@ class Sampler:
         raw_logits = logits = logits.float()
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+        if meta.allowed is not None:
+            logits = apply_grammar(logits, raw_logits, *meta.allowed)
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:
@@ -113,6 +117,19 @@ class Sampler:
                 noise[i].exponential_(generator=g)
         sampled = self.argmax(probs / noise)
         return torch.where(greedy_rows, greedy_ids, sampled)
+
+
+def apply_grammar(logits: torch.Tensor, raw_logits: torch.Tensor, rows: torch.Tensor,
+                  allowed: torch.Tensor) -> torch.Tensor:
+    """-inf outside each constrained row's allowed tokens. Where that leaves nothing (the
+    grammar allows only EOS while min_tokens bans it), the grammar wins: the row is masked
+    from its raw logits, without the ban, so it always has a token to sample."""
+    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    masked = torch.where(allowed, logits.index_select(0, rows), neg_inf)
+    dead = torch.isneginf(masked).all(dim=-1)
+    if bool(dead.any()):
+        masked = torch.where(dead[:, None], torch.where(allowed, raw_logits.index_select(0, rows), neg_inf), masked)
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
