@@ -43,12 +43,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        return self.hf.apply_chat_template(messages, tokenize=False,
+        return self.hf.apply_chat_template(messages, tokenize=False, tools=tools,
                                            add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

@@ -127,9 +127,9 @@ async def stream_completion(client: aiohttp.ClientSession, url: str, body: dict,
 
 
 async def one_request(client: aiohttp.ClientSession, url: str, model: str, prompt: str, output_len: int,
-                      api_key: str | None) -> RequestResult:
+                      api_key: str | None, extra: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     r = await stream_completion(client, url, body, api_key)
     if not r.ok:
         return RequestResult(False, e2e=r.e2e, error=r.error)
@@ -156,7 +156,8 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
         itl_p50_s=percentile(itls, 0.5), itl_p99_s=percentile(itls, 0.99))
 
 
-async def closed_loop(url, model, prompts, output_len, concurrency, api_key, new_connections=False) -> RunSummary:
+async def closed_loop(url, model, prompts, output_len, concurrency, api_key, new_connections=False,
+                      extra: dict | None = None) -> RunSummary:
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -169,21 +170,22 @@ async def closed_loop(url, model, prompts, output_len, concurrency, api_key, new
                     p = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results.append(await one_request(client, url, model, p, output_len, api_key))
+                results.append(await one_request(client, url, model, p, output_len, api_key, extra))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - t0
     return summarize(results, duration, concurrency, None)
 
 
-async def open_loop(url, model, prompts, output_len, rate, seed, api_key, new_connections=False) -> RunSummary:
+async def open_loop(url, model, prompts, output_len, rate, seed, api_key, new_connections=False,
+                    extra: dict | None = None) -> RunSummary:
     rng = random.Random(seed)
     connector = aiohttp.TCPConnector(limit=1024, force_close=new_connections)
     async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as client:
         tasks = []
         t0 = time.perf_counter()
         for p in prompts:
-            tasks.append(asyncio.create_task(one_request(client, url, model, p, output_len, api_key)))
+            tasks.append(asyncio.create_task(one_request(client, url, model, p, output_len, api_key, extra)))
             await asyncio.sleep(rng.expovariate(rate))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
@@ -242,10 +244,10 @@ def run(args) -> int:
         prompts = make_text_prompts(args.tokenizer, n, args.input_len, args.seed + 1000 * i)
         if args.request_rate:
             s = asyncio.run(open_loop(url, args.model, prompts[:n], args.output_len, x, args.seed, args.api_key,
-                                      args.new_connections))
+                                      args.new_connections, args.extra_body))
         else:
             s = asyncio.run(closed_loop(url, args.model, prompts[:n], args.output_len, x, args.api_key,
-                                        args.new_connections))
+                                        args.new_connections, args.extra_body))
         summaries.append(s)
         print(json.dumps(asdict(s)), flush=True)
     report = {"url": url, "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
@@ -275,6 +277,8 @@ def add_parser(sub) -> None:
     p.add_argument("--new-connections", action="store_true",
                    help="open a new HTTP connection for every request: llama.cpp's llama-server answers a stream "
                         "with Keep-Alive and then closes the connection, and a request sent on it again fails")
+    p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help='fields added to every request body, e.g. \'{"structured_outputs": {"json": {...}}}\'')
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG of throughput and latency vs concurrency")
     p.set_defaults(func=run)

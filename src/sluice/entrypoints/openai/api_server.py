@@ -29,6 +29,7 @@ from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFai
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                  ModelList)
+from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
 from sluice.metrics import Metrics
@@ -174,6 +175,7 @@ class ServerConfig:
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="sluice", version=sluice.__version__)
     serving = OpenAIServing(engine, config.served_model_name, config.limits)
+    responses = ResponsesServing(serving)
     app.state.engine = engine
 
     @app.exception_handler(APIError)
@@ -226,7 +228,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         if hasattr(result, "__aiter__"):
             return StreamingResponse(result, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(result.model_dump())
+        return JSONResponse(result if isinstance(result, dict) else result.model_dump())
 
     def identity(raw: Request, user: str | None) -> tuple[str, str]:
         """(tenant, its prefix-cache namespace): the key's tenant when the server has keys,
@@ -258,6 +260,29 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         check_model(req.model)
         tenant, cache_salt = salt(raw, req)
         return await handle(raw, serving.chat(req, cache_salt, tenant))
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        check_model(req.model)
+        tenant, cache_salt = salt(raw, req)
+        return await handle(raw, responses.create(req, cache_salt, tenant))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request, user: str | None = None):
+        stored = responses.store.get(identity(raw, user)[0], response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request, user: str | None = None):
+        """Forget a stored response, and release its chain's pinned KV (only a speed-up)."""
+        tenant = identity(raw, user)[0]
+        stored = responses.store.get(tenant, response_id)
+        if stored is None or not responses.store.delete(tenant, response_id):
+            raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
+        await engine.release_session(stored.session_id, tenant)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, raw: Request, user: str | None = None):

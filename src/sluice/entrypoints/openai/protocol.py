@@ -45,6 +45,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema(): aliased.
+    json_schema: dict | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (free), json_object (any JSON object) or json_schema."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     # Unknown fields are ignored, as OpenAI's own server does, so clients that send
     # newer parameters keep working. NaN and Infinity (which Python's JSON parser
@@ -83,6 +99,15 @@ class _SamplingFields(BaseModel):
     # priority, lower first under --scheduling-policy priority (vLLM's semantics).
     session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     priority: StrictInt = Field(default=0, ge=0)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object
+    # (json, json_object, regex, choice, grammar; sluice.structured.params) and vLLM's
+    # older guided_* fields. At most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -108,6 +133,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Function tools (entrypoints/openai/tool_calls.py): checked there, field by field.
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 class PromptTokensDetails(BaseModel):
@@ -173,6 +202,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -196,6 +226,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -25,6 +25,7 @@ import jinja2
 
 from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
                                         ShuttingDownError)
+from sluice.entrypoints.openai import tool_calls
 from sluice.entrypoints.openai.errors import APIError, error_payload, from_value_error
 from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -34,6 +35,7 @@ from sluice.entrypoints.openai.protocol import (
 from sluice.outputs import RequestOutput
 from sluice.request import Logprob
 from sluice.sampling_params import SamplingParams
+from sluice.structured.params import StructuredOutputsParams
 
 
 @dataclass
@@ -71,11 +73,44 @@ def sse_error(e: APIError) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field it came from: response_format,
+    structured_outputs or one of vLLM's guided_* fields (at most one of them)."""
+    given: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs a json_schema object",
+                           param="response_format")
+        else:
+            given.append(("response_format", {"json": rf.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            given.append((f"guided_{kind}", {kind: value}))
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of response_format, structured_outputs and guided_*; got "
+                            f"{', '.join(f for f, _ in given)}", param=given[1][0])
+    field, value = given[0]
+    try:
+        return StructuredOutputsParams.from_dict(value, field), field
+    except ValueError as e:
+        raise APIError(400, str(e).replace("structured_outputs", field, 1), param=field) from None
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     kwargs = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
                   min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  stop=req.stop or [], stop_token_ids=req.stop_token_ids or [])
+                  stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+                  structured_outputs=structured)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
@@ -236,6 +271,16 @@ class OpenAIServing:
             out[i] = ids
         return out
 
+    async def _compile(self, spec: StructuredOutputsParams | None, field: str | None) -> None:
+        """Compile the request's grammar off the event loop and the engine thread, within
+        the compile time limit; a grammar llguidance refuses is a 400 naming the field."""
+        if spec is None:
+            return
+        try:
+            await self.engine.engine.grammars.compile_async(spec)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("structured_outputs", field, 1), param=field) from None
+
     def _abort(self, started: _Started) -> None:
         for rid in started.request_ids:
             self.engine.abort(rid)
@@ -250,7 +295,9 @@ class OpenAIServing:
         prompt_lp = check_prompt_logprobs(req)
         if req.echo and req.logprobs is not None and (prompt_lp is None or prompt_lp < req.logprobs):
             prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
-        params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
+        spec, spec_field = structured_outputs(req)
+        params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp, spec)
+        await self._compile(spec, spec_field)
         cid = random_id("cmpl")
         started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt, deadline, req.stream,
                                     scheduling(req, tenant))
@@ -366,18 +413,30 @@ class OpenAIServing:
             raise APIError(400, "messages must not be empty", param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, max_tokens, logprobs, prompt_lp)
-        prompt_ids = await self._off_loop(self._render_chat, messages, req.add_generation_prompt)
+        spec, spec_field = structured_outputs(req)
+        tools = ChatTools.of(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if tools.grammar is not None:
+            if spec is not None:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} constrains the output to tool calls; it "
+                                    f"cannot be combined with {spec_field}", param=spec_field)
+            spec, spec_field = tools.grammar, "tool_choice"
+        params = sampling_params(req, max_tokens, logprobs, prompt_lp, spec)
+        await self._compile(spec, spec_field)
+        prompt_ids = await self._off_loop(self._render_chat, messages, req.add_generation_prompt, tools)
         cid = random_id("chatcmpl")
         started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream, scheduling(req, tenant))
         if req.stream:
-            return self._chat_stream(cid, req, started)
+            return self._chat_stream(cid, req, started, tools)
         (final,) = await self._finals(started)
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
-                              if req.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls = tools.parse(c.text)
+            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=content,
+                                                           tool_calls=[k.as_openai() for k in calls] or None),
+                logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=finish, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         prompt_tokens = len(started.prompt_ids[0])
         prompt_lps = (prompt_logprobs_json(final.prompt_logprobs, started.prompt_ids[0], req.prompt_logprobs)
@@ -386,9 +445,14 @@ class OpenAIServing:
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
                                       prompt_logprobs=prompt_lps)
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                     tools: "ChatTools | None" = None) -> list[int]:
+        template_tools = None
+        if tools is not None:
+            messages, template_tools = tools.render(messages, self.tokenizer.chat_template)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=template_tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or syntax
@@ -398,8 +462,9 @@ class OpenAIServing:
                 from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started):
+    async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started, tools: "ChatTools"):
         progress: dict[int, _Progress] = {}
+        parsers: dict[int, tool_calls.StreamParser] = {}
         completion_tokens = 0
         top_n = req.top_logprobs or 0
         cached = 0
@@ -423,14 +488,30 @@ class OpenAIServing:
                     if req.logprobs and new_tokens:
                         lp = self._chat_logprobs(c.logprobs[p.tokens:], new_tokens, top_n)
                     p.text_len, p.tokens = len(c.text), len(c.token_ids)
+                    calls = []
+                    if tools.active:  # content until a <tool_call> begins; each call once it closes
+                        parser = parsers.setdefault(c.index, tools.stream_parser())
+                        delta, calls = parser.feed(delta, final=c.finished)
                     if delta or lp is not None:
                         yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
                             index=c.index, delta=DeltaMessage(content=delta), logprobs=lp)]))
+                    first = len(parsers[c.index].calls) - len(calls) if calls else 0
+                    for k, call in enumerate(calls, start=first):  # k: the call's index in the reply
+                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(tool_calls=[
+                                {"index": k, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]))]))
+                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(tool_calls=[
+                                {"index": k, "function": {"arguments": call.arguments}}]))]))
                     if c.finished:
                         p.done = True
                         completion_tokens += len(c.token_ids)
+                        finish = c.finish_reason
+                        if finish == "stop" and c.index in parsers and parsers[c.index].calls:
+                            finish = "tool_calls"
                         yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]))
+                            index=c.index, delta=DeltaMessage(), finish_reason=finish)]))
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = len(started.prompt_ids[0])
                 yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[],
@@ -459,6 +540,45 @@ def _concat_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> Completion
     return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs
                               + b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs
                               + b.top_logprobs)
+
+
+@dataclass
+class ChatTools:
+    """A chat request's tools and tool_choice: how they shape the prompt, the grammar
+    (tool_choice required or a named function) and the reply (entrypoints/openai/tool_calls.py)."""
+    tools: list[tool_calls.Tool]
+    choice: str | tool_calls.Tool | None
+    grammar: StructuredOutputsParams | None
+
+    @classmethod
+    def of(cls, tools, tool_choice, parallel: bool) -> "ChatTools":
+        parsed = tool_calls.parse_tools(tools)
+        choice = tool_calls.parse_tool_choice(tool_choice, parsed)
+        grammar = None
+        if choice == "required":
+            grammar = tool_calls.tool_grammar(parsed, parallel)
+        elif isinstance(choice, tool_calls.Tool):
+            grammar = tool_calls.tool_grammar([choice], parallel=False)
+        return cls(parsed, choice, grammar)
+
+    @property
+    def active(self) -> bool:
+        """The reply may hold calls to parse."""
+        return self.choice is not None and self.choice != "none"
+
+    def render(self, messages: list[dict], template: str | None) -> tuple[list[dict], list[dict] | None]:
+        shown = self.tools if self.active else []
+        if not shown and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            return messages, None
+        return tool_calls.render_messages(messages, shown, tool_calls.template_takes_tools(template))
+
+    def parse(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        if not self.active:
+            return text, []
+        return tool_calls.parse_output(text, self.tools)
+
+    def stream_parser(self) -> tool_calls.StreamParser:
+        return tool_calls.StreamParser(self.tools)
 
 
 def scheduling(req, tenant: str) -> dict:
