@@ -396,3 +396,30 @@ def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint, kernel_isa
     det = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=64,
               deterministic=True)
     assert det.engine.runner.model._greedy_head is None
+
+
+def test_greedy_fast_path_under_a_grammar(tiny_checkpoint, kernel_isa):
+    """Greedy rows under a grammar take the LM head's fast argmax where the grammar allows
+    it and the full head plus the masked argmax where it does not (a random model's argmax
+    mostly does not): the tokens are those of the full head masked, beside free rows."""
+    llm = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
+    model = llm.engine.runner.model
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "c": {"enum": ["ab", "cd"]}}, "required": ["n", "c"],
+              "additionalProperties": False}
+    prompts = prompts_of_lengths(llm.tokenizer, [5, 17, 40, 63, 9, 30], seed=5)
+    params = [SamplingParams(max_tokens=30, temperature=0, structured_outputs={"json": schema}),
+              SamplingParams(max_tokens=12, temperature=0, structured_outputs={"regex": "[a-z]{3,9}[0-9]"}),
+              SamplingParams(max_tokens=12, temperature=0, structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(max_tokens=12, temperature=0)] * 2
+    head_rows = []
+    logits = model.compute_logits
+    model.compute_logits = lambda h: head_rows.append(h.shape[0]) or logits(h)
+    fast = [o.outputs[0] for o in llm.generate(prompts + prompts[:2], params)]
+    assert head_rows and min(head_rows) < len(params)  # only the rows the grammar refused
+    model.compute_logits = logits
+    model._greedy_head = None
+    full = [o.outputs[0] for o in llm.generate(prompts + prompts[:2], params)]
+    assert [o.token_ids for o in fast] == [o.token_ids for o in full]
+    assert all(o.finish_reason == "stop" for o, p in zip(fast, params) if p.structured_outputs)
+    assert_all_blocks_free(llm)

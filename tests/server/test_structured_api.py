@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import MODEL, wait_all_blocks_free
+from tests.server.conftest import MODEL, metric_value, wait_all_blocks_free
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -66,6 +66,10 @@ def test_streamed_json_reassembles(client, server):
     jsonschema.validate(json.loads(text), BOUNDED)
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_all_blocks_free(server.llm)
+    # Every sampled token was masked; the counters say so (and how long masks took).
+    assert metric_value(server.url, "sluice_grammar_rows_total") >= len(server.llm.tokenizer.encode(text)) - 1
+    assert metric_value(server.url, "sluice_grammar_mask_fill_seconds_total") > 0
+    assert metric_value(server.url, "sluice_grammar_compiles_total") >= 1
 
 
 @pytest.mark.parametrize("body, param", [
@@ -81,6 +85,8 @@ def test_streamed_json_reassembles(client, server):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])

@@ -21,7 +21,7 @@ def compiler(hf_tokenizer):
 def allowed_ids(compiler, grammar) -> set[int]:
     from sluice.structured.grammar import MaskFiller
     filler = MaskFiller(compiler.mask_width)
-    mask = filler.finish(filler.start([grammar]), compiler.vocab_size)[0]
+    mask = allowed_tokens(filler.finish(filler.start([grammar])), compiler.vocab_size)[0]
     return set(torch.nonzero(mask).flatten().tolist())
 
 
@@ -115,6 +115,24 @@ def test_bitmask_layout_and_sampler_mask():
     assert torch.equal(out[1], logits[1])
     assert torch.isfinite(out[0]).tolist() == [False, False, False, True] + [False] * 4
     assert torch.equal(out[2, 1:3], logits[2, 1:3]) and torch.isneginf(out[2, [0, 3, 4, 5, 6, 7]]).all()
+
+
+def test_kernel_bitmask_matches_torch(isa_kernels):
+    """The kernels' in-place apply_token_bitmask gives the torch path's logits, with
+    all-zero, all-one and mixed words, a vocabulary that is not a multiple of 32, a mask
+    narrower than the vocabulary, and rows in any order."""
+    g = torch.Generator().manual_seed(0)
+    for V, W in ((1000, 32), (1000, 30), (64, 2)):
+        bm = torch.randint(-2**31, 2**31 - 1, (5, W), dtype=torch.int32, generator=g)
+        bm[0, :3] = 0
+        bm[1, :] = -1
+        bm[2, 1] = -2**31  # only bit 31
+        logits = torch.randn(8, V, generator=g)
+        rows = torch.tensor([6, 0, 3, 7, 2])
+        expect = apply_grammar(logits, logits, rows, allowed_tokens(bm, V))
+        got = logits.clone()
+        isa_kernels.apply_token_bitmask(got, bm, rows)
+        assert torch.equal(got, expect)
 
 
 def test_json_schema_options_are_not_dropped(compiler, hf_tokenizer):

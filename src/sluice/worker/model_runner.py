@@ -89,7 +89,8 @@ class ModelRunner:
         self.decode_kernel = kernels if device.type == "cpu" else None
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        self.sampler = Sampler(generator, getattr(self.decode_kernel, "argmax_rows", None))
+        self.sampler = Sampler(generator, getattr(self.decode_kernel, "argmax_rows", None),
+                               getattr(self.decode_kernel, "apply_token_bitmask", None))
         self.vocab_size = self.arch.vocab_size
         self.timings = RunnerTimings()
         # structured_outputs rows: their token masks, filled while the forward pass runs.
@@ -170,7 +171,7 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
 
-    def _sampling_metadata(self, entries: list[ScheduledRequest], allowed=None) -> SamplingMetadata:
+    def _sampling_metadata(self, entries: list[ScheduledRequest], grammar=None) -> SamplingMetadata:
         dev, V = self.device, self.vocab_size
         params = [e.params for e in entries]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
@@ -213,7 +214,7 @@ class ModelRunner:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) if any_min_p else None,
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
             output_counts=counts, prompt_mask=prompt_mask, banned=banned,
-            generators=generators, allowed=allowed,
+            generators=generators, grammar=grammar,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
 
@@ -232,21 +233,23 @@ class ModelRunner:
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         finally:
-            allowed = None
+            grammar = None
             if masks is not None:  # even when the forward failed: the thread must be done with them
-                allowed = (torch.tensor(grammar_rows, dtype=torch.long, device=self.device),
-                           self.masks.finish(masks, self.vocab_size).to(self.device))
+                grammar = (torch.tensor(grammar_rows, dtype=torch.long, device=self.device),
+                           self.masks.finish(masks).to(self.device))
         t2 = time.perf_counter()
         sampled: dict[str, SampledToken] = {}
         if entries:
             # logits_rows is padded to a bucket too; the extra rows repeat the first one.
             rows = hidden.index_select(0, logits_rows)
-            meta = self._sampling_metadata(entries, allowed)
+            meta = self._sampling_metadata(entries, grammar)
             greedy = None
-            if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None and meta.allowed is None
+            if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
                     and meta.repetition_penalty is None and hasattr(self.model, "greedy_tokens")):
                 # Only the argmax is wanted: the model's fast path for it, where it has one.
                 greedy = self.model.greedy_tokens(rows)
+                if greedy is not None and meta.grammar is not None:
+                    greedy = self._greedy_under_grammar(rows, greedy[:len(entries)], meta)
             if greedy is not None:
                 out = SamplerOutput(greedy[:len(entries)], None, None, None)
             else:
@@ -266,6 +269,30 @@ class ModelRunner:
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
         return StepResult(sampled, prompt_logprobs)
+
+    def _greedy_under_grammar(self, rows: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows under a grammar: where the grammar allows the unconstrained argmax,
+        it is the constrained one too; only the rows where it does not run the full LM
+        head and the masked argmax (most steps of a model that follows its format: none)."""
+        g_rows, bitmask = meta.grammar
+        tokens = greedy.index_select(0, g_rows)
+        words = bitmask.gather(1, (tokens // 32)[:, None].clamp(max=bitmask.shape[1] - 1))[:, 0]
+        ok = ((words >> (tokens % 32).to(torch.int32)) & 1).bool() & (tokens < 32 * bitmask.shape[1])
+        if bool(ok.all()):
+            return greedy
+        bad = torch.nonzero(~ok)[:, 0]
+        n = len(bad)
+        # Bucketed like every LM-head call (one kernel per shape); the pads repeat row 0.
+        pick = g_rows.index_select(0, bad)
+        pick = torch.cat([pick, pick[:1].expand(bucket(n) - n)])
+        logits = self.model.compute_logits(rows.index_select(0, pick))[:n].float()
+        sub = SamplingMetadata(temperature=torch.zeros(n), all_greedy=True, top_p=None, top_k=None, min_p=None,
+                               repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+                               output_counts=None, prompt_mask=None, banned=None, generators=[None] * n,
+                               max_num_logprobs=-1, grammar=(torch.arange(n), bitmask.index_select(0, bad)))
+        greedy = greedy.clone()
+        greedy[pick[:n]] = self.sampler(logits, sub).token_ids
+        return greedy
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
         """Logprobs of prompt tokens for the entries that ask for them: the LM head over

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.structured.grammar import allowed_tokens
+
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 
@@ -35,8 +37,9 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
     generators: list[torch.Generator | None]  # per row; None draws from the shared stream
     max_num_logprobs: int               # -1: no row wants logprobs
-    # structured_outputs: (rows [R], allowed [R, V] bool) — those rows sample only allowed tokens.
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # structured_outputs: (rows [R], token bitmasks [R, W] int32, llguidance's layout):
+    # those rows sample only the tokens whose bit is set.
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -70,11 +73,14 @@ def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator, argmax=None):
+    def __init__(self, generator: torch.Generator, argmax=None, apply_bitmask=None):
         """argmax: a [B, V] float32 -> [B] replacement for torch.argmax(dim=-1) with the
-        same answers (the C++ kernels' argmax_rows: torch's ran on one thread)."""
+        same answers (the C++ kernels' argmax_rows: torch's ran on one thread).
+        apply_bitmask: the kernels' in-place apply_token_bitmask(logits, bitmask, rows),
+        else torch's ops (allowed_tokens + apply_grammar, the same result)."""
         self.generator = generator
         self.argmax = argmax or _torch_argmax
+        self.apply_bitmask = apply_bitmask
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Logprobs describe the model's own distribution, before any sampling transform:
@@ -82,8 +88,13 @@ class Sampler:
         raw_logits = logits = logits.float()
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
-        if meta.allowed is not None:
-            logits = apply_grammar(logits, raw_logits, *meta.allowed)
+        if meta.grammar is not None:
+            rows, bitmask = meta.grammar
+            if self.apply_bitmask is not None and meta.banned is None:
+                logits = logits.clone() if logits is raw_logits else logits  # raw_logits feed logprobs
+                self.apply_bitmask(logits, bitmask, rows)
+            else:  # also where a min_tokens ban may leave a row nothing: apply_grammar sees to it
+                logits = apply_grammar(logits, raw_logits, rows, allowed_tokens(bitmask, logits.shape[-1]))
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from sluice.entrypoints.openai.errors import APIError
+from sluice.structured.grammar import schema_error
 from sluice.structured.params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -76,6 +77,9 @@ def parse_tools(tools, field: str = "tools") -> list[Tool]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise APIError(400, f"{where}.parameters must be a JSON schema of type object", param=field)
+        problem = schema_error(params)
+        if problem is not None:
+            raise APIError(400, f"{where}.parameters is not a usable JSON schema: {problem}", param=field)
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise APIError(400, f"{where}.description must be a string", param=field)

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -158,7 +159,46 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// Structured outputs: -inf, in place, at every token of logits row rows[r] whose bit in
+// bitmask row r is 0 (llguidance's layout: bit j of word i is token 32 i + j; tokens past
+// the mask are disallowed too). torch's masked_fill over a [32, 49152] batch took ~4 ms
+// here (branchy on a mixed mask); this touches only the words that are not all ones.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+              "logits must be a contiguous [B, V] float32 tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [R, W] int32 tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0),
+              "rows must be [R] int64, one logits row per bitmask row");
+  const int64_t B = logits.size(0), V = logits.size(1), R = bitmask.size(0), W = bitmask.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < B, "row index out of range");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = lp + rp[r] * V;
+      const uint32_t* m = mp + r * W;
+      for (int64_t w = 0; w < W && 32 * w < V; ++w) {
+        const uint32_t word = m[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t t0 = 32 * w, n = std::min<int64_t>(32, V - t0);
+        if (word == 0) {
+          std::fill(x + t0, x + t0 + n, ninf);
+          continue;
+        }
+        // A select, not a branch: a mixed word's bits are unpredictable.
+        for (int64_t j = 0; j < n; ++j) x[t0 + j] = ((word >> j) & 1u) ? x[t0 + j] : ninf;
+      }
+      for (int64_t t = 32 * W; t < V; ++t) x[t] = ninf;
+    }
+  });
+}
+
 void register_argmax(pybind11::module& m) {
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "structured outputs: logits[rows[r]] = -inf where bitmask[r] has a 0 bit, in place");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for [B, V] float32, rows over threads");
   m.def("greedy_head", &greedy_head, "argmax of the bf16 LM head from int8 logits: the top k rescored exactly",
         pybind11::arg("approx"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("k") = 16);
