@@ -33,8 +33,13 @@ class GreedyHead:
     packed: torch.Tensor     # the bf16 head, packed for bi_linear
     vocab_size: int
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, grammar=None) -> torch.Tensor:
+        """grammar: (rows, token bitmasks) of structured outputs: those rows' int8 logits
+        are masked before the candidates are picked, so their argmax is over the tokens
+        the grammar allows (the kernel never answers a masked candidate)."""
         approx = self.kernels.w8a8_linear(hidden, self.w8a8, self.scale, self.vocab_size, None, True)
+        if grammar is not None:
+            self.kernels.apply_token_bitmask(approx, grammar[1], grammar[0])
         return self.kernels.greedy_head(approx, hidden, self.packed, GREEDY_CANDIDATES)
 
 

@@ -217,12 +217,13 @@ class LlamaForCausalLM(nn.Module):
             return self.head(hidden)
         return F.linear(hidden, self.head_weight())
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The argmax of compute_logits(hidden) per row, or None where the backend set no
-        fast path for it (backends/prepare.py: GreedyHead)."""
+    def greedy_tokens(self, hidden: torch.Tensor, grammar=None) -> torch.Tensor | None:
+        """The argmax of compute_logits(hidden) per row (rows of `grammar`, (rows,
+        bitmasks): over their allowed tokens), or None where the backend set no fast path
+        for it (backends/prepare.py: GreedyHead)."""
         if self._greedy_head is None or hidden.dtype != torch.bfloat16:
             return None
-        return self._greedy_head(hidden)
+        return self._greedy_head(hidden, grammar)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

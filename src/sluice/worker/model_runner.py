@@ -247,9 +247,7 @@ class ModelRunner:
             if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
                     and meta.repetition_penalty is None and hasattr(self.model, "greedy_tokens")):
                 # Only the argmax is wanted: the model's fast path for it, where it has one.
-                greedy = self.model.greedy_tokens(rows)
-                if greedy is not None and meta.grammar is not None:
-                    greedy = self._greedy_under_grammar(rows, greedy[:len(entries)], meta)
+                greedy = self.model.greedy_tokens(rows, meta.grammar)
             if greedy is not None:
                 out = SamplerOutput(greedy[:len(entries)], None, None, None)
             else:
@@ -269,30 +267,6 @@ class ModelRunner:
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
         return StepResult(sampled, prompt_logprobs)
-
-    def _greedy_under_grammar(self, rows: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows under a grammar: where the grammar allows the unconstrained argmax,
-        it is the constrained one too; only the rows where it does not run the full LM
-        head and the masked argmax (most steps of a model that follows its format: none)."""
-        g_rows, bitmask = meta.grammar
-        tokens = greedy.index_select(0, g_rows)
-        words = bitmask.gather(1, (tokens // 32)[:, None].clamp(max=bitmask.shape[1] - 1))[:, 0]
-        ok = ((words >> (tokens % 32).to(torch.int32)) & 1).bool() & (tokens < 32 * bitmask.shape[1])
-        if bool(ok.all()):
-            return greedy
-        bad = torch.nonzero(~ok)[:, 0]
-        n = len(bad)
-        # Bucketed like every LM-head call (one kernel per shape); the pads repeat row 0.
-        pick = g_rows.index_select(0, bad)
-        pick = torch.cat([pick, pick[:1].expand(bucket(n) - n)])
-        logits = self.model.compute_logits(rows.index_select(0, pick))[:n].float()
-        sub = SamplingMetadata(temperature=torch.zeros(n), all_greedy=True, top_p=None, top_k=None, min_p=None,
-                               repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-                               output_counts=None, prompt_mask=None, banned=None, generators=[None] * n,
-                               max_num_logprobs=-1, grammar=(torch.arange(n), bitmask.index_select(0, bad)))
-        greedy = greedy.clone()
-        greedy[pick[:n]] = self.sampler(logits, sub).token_ids
-        return greedy
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
         """Logprobs of prompt tokens for the entries that ask for them: the LM head over

@@ -135,11 +135,18 @@ torch::Tensor greedy_head(torch::Tensor approx, torch::Tensor x, torch::Tensor p
                                (__m512bh)pair_of_candidates(K / 2));
       alignas(64) float ex[16];
       _mm512_store_ps(ex, acc);
-      int best = 0;
-      for (int c = 1; c < kk; ++c)
-        if (ex[c] > ex[best] || (ex[c] == ex[best] && idx[c] < idx[best]) || (std::isnan(ex[c]) && !std::isnan(ex[best])))
+      // A candidate whose approx logit is -inf was masked out (structured outputs: the
+      // caller applied the grammar's bitmask to approx) and is never the answer; with
+      // fewer allowed tokens than candidates, top_k filled the rest with such ones.
+      const float* ar = ap + r * V;
+      int best = -1;
+      for (int c = 0; c < kk; ++c) {
+        if (std::isinf(ar[idx[c]]) && ar[idx[c]] < 0) continue;
+        if (best < 0 || ex[c] > ex[best] || (ex[c] == ex[best] && idx[c] < idx[best]) ||
+            (std::isnan(ex[c]) && !std::isnan(ex[best])))
           best = c;
-      op[r] = idx[best];
+      }
+      op[r] = idx[best < 0 ? 0 : best];
     }
   });
   return out;
