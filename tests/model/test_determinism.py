@@ -75,15 +75,22 @@ def run_trial(engine: LLMEngine, rng: random.Random, trial: int):
             SamplingParams(temperature=0.7, seed=rng.randint(0, 99), max_tokens=rng.randint(1, 24)),
         ])
         arrivals.append((rng.randint(0, 30), f"t{trial}-n{j}", text, params))
-    arrivals.sort(key=lambda a: a[0])
+    probes = run_arrivals(engine, arrivals, lambda rid: "probe" in rid)
+    return {rid.split("-", 1)[1]: o for rid, o in probes.items()}
+
+
+def run_arrivals(engine: LLMEngine, arrivals: list, want) -> dict:
+    """Add each (step, request id, prompt, params) at its step, run until all finish, and
+    return the finished outputs whose id `want` accepts, by id."""
+    arrivals = sorted(arrivals, key=lambda a: a[0])
     outputs, step = {}, 0
     while arrivals or engine.has_unfinished_requests():
         while arrivals and arrivals[0][0] <= step:
             _, rid, prompt, params = arrivals.pop(0)
             engine.add_request(rid, prompt, params)
         for o in engine.step():
-            if o.finished and "probe" in o.request_id:
-                outputs[o.request_id.split("-", 1)[1]] = o
+            if o.finished and want(o.request_id):
+                outputs[o.request_id] = o
         step += 1
     return outputs
 
@@ -222,16 +229,8 @@ def test_grammar_requests_bitwise_equal_alone_and_in_a_crowd(det_engine):
             sp = SamplingParams(temperature=0.7, seed=j, max_tokens=rng.randint(1, 20),
                                 structured_outputs={"json": schema} if j % 3 == 0 else None)
             arrivals.append((rng.randint(0, 20), f"g{trial}-n{j}", text, sp))
-        arrivals.sort(key=lambda a: a[0])
-        got, step = {}, 0
-        while arrivals or det_engine.has_unfinished_requests():
-            while arrivals and arrivals[0][0] <= step:
-                _, rid, prompt, sp = arrivals.pop(0)
-                det_engine.add_request(rid, prompt, sp)
-            for o in det_engine.step():
-                if o.finished and "probe" in o.request_id:
-                    got[int(o.request_id[-1])] = signature(o)
-            step += 1
-        assert [got[0], got[1]] == solo, f"trial {trial}: a constrained probe differs from its solo run"
+        got = run_arrivals(det_engine, arrivals, lambda rid: "probe" in rid)
+        assert [signature(got[f"g{trial}-probe{i}"]) for i in range(2)] == solo, \
+            f"trial {trial}: a constrained probe differs from its solo run"
     assert det_engine.scheduler.num_preemptions > preempted_before
     assert det_engine.kv.num_free_blocks == det_engine.kv.num_blocks
