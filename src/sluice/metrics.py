@@ -88,6 +88,9 @@ class Metrics:
         self.grammar_compile_seconds = Counter("sluice_grammar_compile_seconds", "Seconds spent compiling grammars",
                                                labels, registry=r)
         self._grammar_seen = (0, 0.0, 0.0, 0, 0.0)
+        for c in (self.grammar_rows, self.grammar_fill, self.grammar_wait, self.grammar_compiles,
+                  self.grammar_compile_seconds):
+            c.labels(self.model_name)  # listed at 0 from the start, though updated only when they move
         self._misses_seen = 0
         self._decode_steps_seen = 0
         self._tenant_labels: set[str] = set()
@@ -138,10 +141,12 @@ class Metrics:
             self._session_seen[event] = count
         masks, grammars = engine.runner.masks, engine.grammars
         now = (masks.rows, masks.fill_seconds, masks.wait_seconds, grammars.compiles, grammars.compile_seconds)
-        for metric, value, seen in zip((self.grammar_rows, self.grammar_fill, self.grammar_wait,
-                                        self.grammar_compiles, self.grammar_compile_seconds), now, self._grammar_seen):
-            metric.labels(m).inc(_delta(value, seen))
-        self._grammar_seen = now
+        if now != self._grammar_seen:  # most steps of most servers: no grammar, nothing to add
+            for metric, value, seen in zip((self.grammar_rows, self.grammar_fill, self.grammar_wait,
+                                            self.grammar_compiles, self.grammar_compile_seconds), now,
+                                           self._grammar_seen):
+                metric.labels(m).inc(_delta(value, seen))
+            self._grammar_seen = now
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
 

@@ -32,8 +32,8 @@ from sluice.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 # The separators of JSON output (params.py says why fixed): json.dumps' by default, none
-# with disable_any_whitespace.
-_JSON_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# with disable_any_whitespace. JSON_SPACED is also the style of tool calls' bodies.
+JSON_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
@@ -49,7 +49,7 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else {"type": "object"}
-        options = _JSON_COMPACT if spec.disable_any_whitespace else _JSON_SPACED
+        options = _JSON_COMPACT if spec.disable_any_whitespace else JSON_SPACED
         try:
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except Exception as e:  # llguidance raises ValueError or RuntimeError on a bad schema
@@ -74,7 +74,7 @@ def schema_error(schema: dict) -> str | None:
     pattern), else None. Needs no tokenizer: for checking tools' parameters up front."""
     LLMatcher = _llguidance().LLMatcher
     try:
-        source = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_SPACED)
+        source = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_SPACED)
     except Exception as e:
         return str(e)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(source)

@@ -21,14 +21,12 @@ import uuid
 from dataclasses import dataclass
 
 from sluice.entrypoints.openai.errors import APIError
-from sluice.structured.grammar import schema_error
+from sluice.structured.grammar import JSON_SPACED, schema_error
 from sluice.structured.params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_TOOLS = 128
-# JSON of the calls' bodies: the separators structured/grammar.py writes JSON with.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 SYSTEM_TOOLS = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -115,7 +113,7 @@ def call_schema(tools: list[Tool]) -> dict:
     options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": _JSON_STYLE}
+    return {**schema, "x-guidance": JSON_SPACED}  # the separators of every JSON sluice writes
 
 
 def tool_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputsParams:
