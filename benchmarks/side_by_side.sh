@@ -21,6 +21,8 @@
 #   MODELS [$SCRATCH/models]  PORT [8124]  ROUNDS [2]  THREADS [2, llama-server -t]
 #   OUTDIR [benchmarks/results/side_by_side]  C_HIGH/R_HIGH [32/64]  C_LOW/R_LOW [1/8]
 #   INPUT_LEN [210]  OUTPUT_LEN [128]  SEED [0]  WARMUP [1: one 8-token request first]
+#   WORKLOAD [standard; repetitive: `sluice bench serve --workload repetitive`, chat prompts
+#            whose answers repeat their context, for speculative decoding]
 #   LLAMACPP_TYPES ["F32 BF16 Q8_0 Q4_1"; "" runs no llama.cpp]  HEALTH_TIMEOUT [600 s]
 #   ONLY [all]  FORCE_CLOSE [1: a new connection per request, see below]
 #   EXTRA_CONFIGS [none: more "name|command" entries, one a line, run after the others]
@@ -55,6 +57,7 @@ OUTDIR=${OUTDIR:-benchmarks/results/side_by_side}
 C_HIGH=${C_HIGH:-32}; R_HIGH=${R_HIGH:-64}
 C_LOW=${C_LOW:-1};    R_LOW=${R_LOW:-8}
 INPUT_LEN=${INPUT_LEN:-210}
+WORKLOAD=${WORKLOAD:-standard}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 SEED=${SEED:-0}
 WARMUP=${WARMUP:-1}
@@ -140,7 +143,8 @@ bench() {  # OUT.json CONCURRENCY REQUESTS OUTPUT_LEN SEED
     local extra=()
     [ "$FORCE_CLOSE" = 1 ] && extra=(--new-connections)
     .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" "${extra[@]}" \
-        --concurrency "$2" --requests "$3" --input-len "$INPUT_LEN" --output-len "$4" --seed "$5" --json "$1"
+        --concurrency "$2" --requests "$3" --input-len "$INPUT_LEN" --output-len "$4" --seed "$5" --json "$1" \
+        --workload "$WORKLOAD"
 }
 
 NAMES=()

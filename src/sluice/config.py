@@ -132,18 +132,41 @@ class StructuredOutputsConfig:
     grammar_compile_timeout_s: float = 10.0
 
 
+SPECULATIVE_METHODS = (None, "ngram", "suffix")
+SPECULATIVE_GATES = ("auto", "always")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    # Drafts without a second model (spec/proposers.py): ngram = prompt lookup in the
+    # request's own prompt and output; suffix = that and the recent outputs of its tenant;
+    # None: off.
+    speculative_method: str | None = None
+    # Drafted tokens per request and step, at most (each verified in the same forward pass).
+    num_speculative_tokens: int = 4
+    # auto: speculate in a step only where the measured step times say it pays
+    # (spec/gate.py); always: every step a draft is found (for measuring).
+    speculative_gate: str = "auto"
+    # The shortest match of the context's last tokens that yields a draft.
+    speculative_min_match: int = 2
+    # suffix: each tenant's recent outputs kept for drafting, in tokens.
+    suffix_cache_tokens: int = 65536
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Flat keyword arguments (model=, dtype=, block_size=, ...) to nested config."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "structured": StructuredOutputsConfig}
+                 "structured": StructuredOutputsConfig, "speculative": SpeculativeConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
             for name, klass in parts.items():
@@ -190,6 +213,7 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g.grammar_cache_size!r}")
         if not g.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0 seconds, got {g.grammar_compile_timeout_s}")
+        self._validate_speculative()
         for name, w in s.tenant_weights.items():
             if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
                 raise ValueError(f"tenant_weights must map tenant names to weights > 0; got {name!r}: {w!r}")
@@ -209,3 +233,20 @@ class EngineConfig:
         # here, before any kernel is built or weight loaded (backends/select.py).
         from sluice.backends.select import check, model_dtype
         model_dtype(m, c.kv_cache_dtype, check(m.device, m.cpu_isa, m.quantization, c.kv_cache_dtype, m.deterministic))
+
+    def _validate_speculative(self) -> None:
+        sp = self.speculative
+        if sp.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be None, 'ngram' or 'suffix'; got {sp.speculative_method!r}")
+        k = sp.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if sp.speculative_gate not in SPECULATIVE_GATES:
+            raise ValueError(f"speculative_gate must be one of {', '.join(SPECULATIVE_GATES)}; "
+                             f"got {sp.speculative_gate!r}")
+        m = sp.speculative_min_match
+        if isinstance(m, bool) or not isinstance(m, int) or not 2 <= m <= 64:
+            raise ValueError(f"speculative_min_match must be an integer in [2, 64], got {m!r}")
+        t = sp.suffix_cache_tokens
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {t!r}")

@@ -87,6 +87,16 @@ class Metrics:
                                         registry=r)
         self.grammar_compile_seconds = Counter("sluice_grammar_compile_seconds", "Seconds spent compiling grammars",
                                                labels, registry=r)
+        self.spec_tokens = Counter("sluice_spec_decode_tokens", "Speculative decoding: draft tokens verified "
+                                   "(drafted), of them accepted, and tokens emitted by verifying requests "
+                                   "(accepted + 1 per verification)", labels + ["kind"], registry=r)
+        self.spec_steps = Counter("sluice_spec_decode_steps", "Engine steps that verified drafts", labels, registry=r)
+        self.spec_at = Counter("sluice_spec_decode_position_tokens", "Speculative decoding by draft position "
+                               "(0 = the first): drafted and accepted there", labels + ["position", "kind"],
+                               registry=r)
+        self.spec_rate = Gauge("sluice_spec_decode_acceptance_rate", "Accepted / drafted since start", labels,
+                               registry=r)
+        self._spec_seen: dict = {}
         self._grammar_seen = (0, 0.0, 0.0, 0, 0.0)
         for c in (self.grammar_rows, self.grammar_fill, self.grammar_wait, self.grammar_compiles,
                   self.grammar_compile_seconds):
@@ -147,8 +157,28 @@ class Metrics:
                                            self._grammar_seen):
                 metric.labels(m).inc(_delta(value, seen))
             self._grammar_seen = now
+        if sched.spec is not None:
+            self._observe_spec(sched.spec.stats)
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
+
+    def _observe_spec(self, st) -> None:
+        m, seen = self.model_name, self._spec_seen
+        if seen.get("stats") is not st:  # a new engine (reset after a failure): counts restart
+            seen.clear()
+            seen["stats"] = st
+        for kind, count in (("drafted", st.drafted), ("accepted", st.accepted), ("emitted", st.emitted)):
+            self.spec_tokens.labels(m, kind).inc(count - seen.get(kind, 0))
+            seen[kind] = count
+        self.spec_steps.labels(m).inc(st.steps - seen.get("steps", 0))
+        seen["steps"] = st.steps
+        for pos, (d, a) in enumerate(zip(st.drafted_at, st.accepted_at)):
+            for kind, count in (("drafted", d), ("accepted", a)):
+                key = (pos, kind)
+                if count != seen.get(key, 0):
+                    self.spec_at.labels(m, str(pos), kind).inc(count - seen.get(key, 0))
+                    seen[key] = count
+        self.spec_rate.labels(m).set(st.accepted / st.drafted if st.drafted else 0.0)
 
     def observe_request(self, arrival: float, first_scheduled: float | None, first_token: float | None,
                         num_prompt: int, num_output: int, reason: str | None, tenant: str = "") -> None:

@@ -78,6 +78,9 @@ class Request:
         self.num_prompt_logprobs = 0
         # structured_outputs: its structured.grammar.Grammar (parser state), else None.
         self.grammar = None
+        # Speculative decoding: its recent drafted and accepted counts (decaying; spec/gate.py).
+        self.spec_drafted = 0.0
+        self.spec_accepted = 0.0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

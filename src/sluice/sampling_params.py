@@ -55,6 +55,9 @@ class SamplingParams:
     # What the output must match (a JSON schema, a regex, a choice, a grammar): a
     # StructuredOutputsParams, or a dict of its fields. None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # False: never speculate for this request (where the engine runs speculative decoding;
+    # its output is the same either way, only its speed differs).
+    speculative: bool = True
 
     def __init__(self, **kwargs):
         names = {f.name for f in dataclasses.fields(self)}
@@ -103,6 +106,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:

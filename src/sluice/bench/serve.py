@@ -241,7 +241,11 @@ def run(args) -> int:
     for i, (x, n) in enumerate(zip(runs, counts)):
         # Fresh prompts for every run, so a server's prefix cache cannot serve one run's
         # prompts from an earlier run.
-        prompts = make_text_prompts(args.tokenizer, n, args.input_len, args.seed + 1000 * i)
+        if args.workload == "repetitive":
+            from sluice.bench.workload import make_repetitive_prompts
+            prompts = make_repetitive_prompts(_tokenizer(args.tokenizer), n, args.seed + 1000 * i)
+        else:
+            prompts = make_text_prompts(args.tokenizer, n, args.input_len, args.seed + 1000 * i)
         if args.request_rate:
             s = asyncio.run(open_loop(url, args.model, prompts[:n], args.output_len, x, args.seed, args.api_key,
                                       args.new_connections, args.extra_body))
@@ -270,6 +274,10 @@ def add_parser(sub) -> None:
                    help="comma-separated Poisson arrival rates (req/s); replaces --concurrency")
     p.add_argument("--requests", type=lambda s: [int(x) for x in s.split(",")], default=[64],
                    help="requests per run: one number, or one per concurrency / rate (e.g. 16,64,64)")
+    p.add_argument("--workload", default="standard", choices=["standard", "repetitive"],
+                   help="standard: windows of English text (--input-len); repetitive: chat prompts whose "
+                        "answers repeat their context (edit this code, quote and summarise, an agent's tool "
+                        "calls), for speculative decoding")
     p.add_argument("--input-len", type=int, default=210, help="prompt tokens (±10%%)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)

@@ -128,25 +128,29 @@ class KVCacheManager:
             return False
         return self._hashes(request, n)[n - 1] == blocks[-1].block_hash
 
-    def _new_blocks(self, request: Request, num_new_tokens: int, prefix: CachedPrefix) -> int:
+    def _new_blocks(self, request: Request, num_new_tokens: int, prefix: CachedPrefix, num_lookahead: int = 0) -> int:
         """Blocks allocate() adds to those the request holds and the prefix it takes."""
         held = len(self.req_blocks.get(request.request_id, ()))
-        total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens + num_lookahead
         return max(self.blocks_needed(total) - held - len(prefix.blocks), 0)
 
-    def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX) -> int:
+    def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX,
+                          num_lookahead: int = 0) -> int:
         """How many free blocks allocate(request, num_new_tokens, prefix) would take: new
         ones, and cached ones it revives from the free list (a free block each too)."""
-        return self._new_blocks(request, num_new_tokens, prefix) + sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+        return (self._new_blocks(request, num_new_tokens, prefix, num_lookahead)
+                + sum(1 for b in prefix.blocks if b.ref_cnt == 0))
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 prefix: CachedPrefix = _NO_PREFIX) -> KVAllocation | None:
+                 prefix: CachedPrefix = _NO_PREFIX, num_lookahead: int = 0) -> KVAllocation | None:
         """Room for the request's next num_new_tokens tokens (after its computed tokens and
         any cached prefix it takes now), or None if the pool cannot supply it now (nothing
-        is taken in that case)."""
-        if self.free_blocks_taken(request, num_new_tokens, prefix) > self.pool.num_free_blocks:
+        is taken in that case). num_lookahead more slots hold drafted tokens being verified:
+        they are not the request's tokens, so no block is named by them; a rejected draft's
+        slot is simply not counted as computed, and the next token overwrites it."""
+        if self.free_blocks_taken(request, num_new_tokens, prefix, num_lookahead) > self.pool.num_free_blocks:
             return None
-        need = self._new_blocks(request, num_new_tokens, prefix)
+        need = self._new_blocks(request, num_new_tokens, prefix, num_lookahead)
         self.pool.take(list(prefix.blocks))
         # Prefix statistics per admission (a lookup for a request that then waits, and is
         # looked up again next step, is not a second query).

@@ -41,6 +41,7 @@ from sluice.core.latency_target import StepTimeModel
 from sluice.core.sessions import SessionTable, TenantCounters
 from sluice.request import Logprob, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
+from sluice.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class ScheduledRequest:
     # Its structured_outputs parser state (structured/grammar.py) when a token is due:
     # the runner masks its logits to what the grammar allows; update() feeds it the token.
     grammar: object | None = None
+    # Speculative decoding: the drafted tokens at the end of token_ids, to verify. Logits
+    # are due at the last 1 + len(draft_token_ids) positions.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -98,12 +102,17 @@ class PromptLogprobs:
 class StepResult:
     sampled: dict[str, SampledToken]
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: the tokens after sampled[id] that verification kept (the
+    # accepted drafts after the first, then the token sampled after the last accepted).
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass
 class StepUpdate:
     with_new_token: list[Request]   # requests that got a token this step
     finished: list[Request]         # requests that left the batch this step
+    # How many tokens each of with_new_token got, where more than one (speculation).
+    num_new_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -115,7 +124,8 @@ class Scheduler:
         """Drop a session's pinned blocks (DELETE /v1/sessions/{id}); None if unknown."""
         return self.sessions.release((tenant, session_id))
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, clock=time.monotonic):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, clock=time.monotonic,
+                 speculator: Speculator | None = None):
         if config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens is unset: EngineConfig.validate() picks the device's default")
         self.config = config
@@ -135,12 +145,16 @@ class Scheduler:
         self.step_model = (StepTimeModel(config.target_tpot_ms / 1e3) if config.target_tpot_ms is not None
                            else None)
         self.last_budget = config.max_num_batched_tokens
+        # Speculative decoding (spec/): who verifies drafts each step; None: off.
+        self.spec = speculator
 
     def observe_step(self, plan: "StepPlan", seconds: float) -> None:
         """The engine's measured wall time of a step (for the latency target)."""
         if self.step_model is not None:
             decodes = any(e.start_pos >= len(e.prompt_token_ids) for e in plan.scheduled)
             self.step_model.observe(plan.num_batched_tokens, seconds, decodes)
+        if self.spec is not None:
+            self.spec.observe_step(plan.num_batched_tokens, seconds)
 
     # -- queues ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -231,12 +245,25 @@ class Scheduler:
 
         # Decodes first (stable sort keeps admission order within each group), so a
         # long prompt chunk never stalls tokens of requests already generating.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        drafts: dict[str, list[int]] = {}
+        if self.spec is not None:
+            decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
+            drafts = self.spec.drafts(decodes[:budget], budget)
+        for req in order:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = drafts.get(req.request_id)
+            if draft:
+                # Verifying drafts never preempts anyone: without room, or budget, it decodes.
+                draft = draft[:budget - n]
+                if draft and self.kv.allocate(req, n, num_lookahead=len(draft)) is not None:
+                    scheduled[req.request_id] = self._plan_entry(req, n, draft)
+                    budget -= n + len(draft)
+                    continue
             while self.kv.allocate(req, n) is None:
                 # Pinned session blocks go before any running request is preempted.
                 if self.sessions.num_pinned and self.sessions.free_for(self.kv.free_blocks_taken(req, n)):
@@ -290,7 +317,7 @@ class Scheduler:
         entries = list(scheduled.values())
         return StepPlan(entries, sum(len(e.token_ids) for e in entries), preempted)
 
-    def _plan_entry(self, req: Request, n: int) -> ScheduledRequest:
+    def _plan_entry(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         needs_logits = start + n == req.num_tokens
         banned: list[int] = []
@@ -305,7 +332,7 @@ class Scheduler:
                 prompt_lp = (lo, hi)
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + n),
+            token_ids=req.token_ids_slice(start, start + n) + (draft or []),
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             needs_logits=needs_logits,
@@ -315,6 +342,7 @@ class Scheduler:
             banned_token_ids=banned,
             prompt_logprob_positions=prompt_lp,
             grammar=req.grammar if needs_logits else None,
+            draft_token_ids=draft or [],
         )
 
     def _preempt(self, req: Request) -> None:
@@ -331,11 +359,14 @@ class Scheduler:
         free the blocks of every request that finished."""
         with_new_token: list[Request] = []
         finished: list[Request] = []
+        num_new: dict[str, int] = {}
+        step_drafted = step_accepted = 0
         for entry in plan.scheduled:
             req = self.requests.get(entry.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            n = len(entry.token_ids)
+            # Drafted tokens are computed only as far as they were accepted (below).
+            n = len(entry.token_ids) - len(entry.draft_token_ids)
             req.num_computed_tokens += n
             req.served_tokens += n
             if req.session is not None:
@@ -348,22 +379,47 @@ class Scheduler:
                 self._store_prompt_logprobs(req, plp)
             if not entry.needs_logits:
                 continue
-            sampled = result.sampled[entry.request_id]
-            req.output_token_ids.append(sampled.token_id)
-            if req.grammar is not None and not req.grammar.accept(sampled.token_id) \
-                    and sampled.token_id not in req.eos_token_ids:
-                # Masked sampling only picks allowed tokens; this is a grammar engine fault.
-                logger.warning("request %s: its grammar refused sampled token %d (%s); ending it",
-                               req.request_id, sampled.token_id, req.grammar.error[:200])
+            tokens = [result.sampled[entry.request_id]]
+            if entry.draft_token_ids:
+                tokens += result.accepted.get(entry.request_id, [])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if req.logprobs is not None and sampled.logprobs is not None:
-                req.logprobs.append({tid: Logprob(lp, rank) for tid, lp, rank in sampled.logprobs})
             with_new_token.append(req)
-            if req.check_stop(self.max_model_len):
-                self._remove_finished(req)
-                finished.append(req)
-        return StepUpdate(with_new_token, finished)
+            for i, sampled in enumerate(tokens):
+                if i:
+                    # The token before it was an accepted draft: its K/V was computed in
+                    # this step's forward pass (for the slot it was verified in).
+                    req.num_computed_tokens += 1
+                    req.served_tokens += 1
+                    if req.session is not None:
+                        req.session.service += 1
+                self._append(req, sampled)
+                if req.check_stop(self.max_model_len):
+                    self._remove_finished(req)
+                    finished.append(req)
+                    break
+            if entry.draft_token_ids:
+                # Accepted: the drafts it kept (up to where a stop ended it, if one did).
+                step_drafted += len(entry.draft_token_ids)
+                step_accepted += i
+                self.spec.verified(req, len(entry.draft_token_ids), i)
+            if i:
+                num_new[req.request_id] = i + 1
+                if self.config.policy == "fair":  # VTC: each output token, however many a step
+                    self.tenants.charge(req.tenant, 0, i)
+        if self.spec is not None:
+            self.spec.step_done(step_drafted, step_accepted)
+        return StepUpdate(with_new_token, finished, num_new)
+
+    def _append(self, req: Request, sampled: SampledToken) -> None:
+        req.output_token_ids.append(sampled.token_id)
+        if req.grammar is not None and not req.grammar.accept(sampled.token_id) \
+                and sampled.token_id not in req.eos_token_ids:
+            # Masked sampling only picks allowed tokens; this is a grammar engine fault.
+            logger.warning("request %s: its grammar refused sampled token %d (%s); ending it",
+                           req.request_id, sampled.token_id, req.grammar.error[:200])
+        if req.logprobs is not None and sampled.logprobs is not None:
+            req.logprobs.append({tid: Logprob(lp, rank) for tid, lp, rank in sampled.logprobs})
 
     @staticmethod
     def _store_prompt_logprobs(req: Request, plp: PromptLogprobs) -> None:
@@ -395,3 +451,5 @@ class Scheduler:
             req.session = None  # (ended once, whatever removes it later)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.request_finished(req)

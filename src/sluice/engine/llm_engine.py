@@ -24,6 +24,7 @@ from sluice.models.registry import build_model
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
+from sluice.spec.speculator import Speculator
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
 from sluice.worker.model_runner import ModelRunner, RunnerTimings
@@ -104,10 +105,14 @@ class LLMEngine:
                                   grammar_mask_width=self.grammars.mask_width)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.timings = StepTimings(runner=self.runner.timings)
         logger.info("loaded %s (%s) in %.1fs", src.path, self.dtype, time.perf_counter() - t0)
+
+    def _speculator(self) -> Speculator | None:
+        sp = self.config.speculative
+        return Speculator(sp, self.max_model_len) if sp.speculative_method is not None else None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -225,7 +230,7 @@ class LLMEngine:
         streams)."""
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.cache.block_size,
                                  enable_caching=self.config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
 
     # -- one step -------------------------------------------------------------
@@ -235,6 +240,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.scheduler.last_decisions:
             logger.debug("step %d: %s", t.steps, "; ".join(self.scheduler.last_decisions))
+        spec = self.scheduler.spec
         t1 = time.perf_counter()
         try:
             result = self.runner.execute(plan)
@@ -248,6 +254,9 @@ class LLMEngine:
             return self._fail_step(plan, e)
         t3 = time.perf_counter()
         self.scheduler.observe_step(plan, t3 - t0)
+        if spec is not None and spec.last_step:
+            logger.debug("step %d: %s (%d tokens, %.1f ms)", t.steps, spec.last_step, plan.num_batched_tokens,
+                         1e3 * (t3 - t0))
         t.steps += 1
         t.schedule += t1 - t0
         t.execute += t2 - t1

@@ -86,7 +86,7 @@ class OutputProcessor:
         touched: dict[str, None] = {}
         for req in update.with_new_token:
             state = self.samples[req.request_id]
-            self._detokenize(req, state)
+            self._detokenize(req, state, update.num_new_tokens.get(req.request_id, 1))
             touched[state.parent_id] = None
         for req in self._aborted:
             if req.request_id in self.samples:
@@ -94,34 +94,51 @@ class OutputProcessor:
         self._aborted.clear()
         return [self._make_output(pid) for pid in touched]
 
-    def _detokenize(self, req: Request, state: _SampleState) -> None:
-        token = req.output_token_ids[-1]
-        old_len = len(state.text)
-        # A stop token (EOS or a stop id) ends the text; it is in token_ids but not shown.
-        stopped_by_token = req.ended_by_token
-        if not stopped_by_token:
-            state.text += state.detok.add(token)
-        if req.is_finished():
-            state.text += state.detok.flush() if not stopped_by_token else ""
-        if req.logprobs:
-            for tid, lp in req.logprobs[-1].items():
-                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+    def _detokenize(self, req: Request, state: _SampleState, num_new: int = 1) -> None:
+        """The request's last num_new tokens (more than one when drafts were accepted),
+        one at a time: a stop string found at one of them ends the request there, and the
+        tokens after it are dropped, as if they had never been sampled."""
+        out = req.output_token_ids
+        first = len(out) - num_new
         stops = req.params.stop
-        if stops and not stopped_by_token:
+        longest = max((len(s) for s in stops), default=0)
+        for i in range(first, len(out)):
+            last = i == len(out) - 1
+            old_len = len(state.text)
+            # A stop token (EOS or a stop id) ends the text; it is in token_ids but not shown.
+            stopped_by_token = last and req.ended_by_token
+            if not stopped_by_token:
+                state.text += state.detok.add(out[i])
+            if last and req.is_finished() and not stopped_by_token:
+                state.text += state.detok.flush()
+            if req.logprobs:
+                for tid, lp in req.logprobs[i].items():
+                    lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+            if not stops or stopped_by_token:
+                continue
             # A new match must end in the new text, so it starts at most len(stop) - 1 before it.
-            search_from = max(0, old_len - max(len(s) for s in stops) + 1)
+            search_from = max(0, old_len - longest + 1)
             hit = None
             for s in stops:
                 pos = state.text.find(s, search_from)
                 if pos != -1 and (hit is None or pos < hit[0]):
                     hit = (pos, s)
-            if hit is not None:
-                state.text = state.text[:hit[0]]
-                req.stop_reason = hit[1]
-                if req.is_finished():
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if hit is None:
+                continue
+            state.text = state.text[:hit[0]]
+            req.stop_reason = hit[1]
+            if not last:
+                del out[i + 1:]
+                if req.logprobs is not None:
+                    del req.logprobs[i + 1:]
+                req.ended_by_token = False
+                # Computed tokens past the new end are not its (a pinned session keeps the rest).
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if req.is_finished():
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            return
 
     def _prompt_logprobs(self, parent: _ParentState, reqs: list[Request]) -> list | None:
         """The prompt's logprobs, from the one sample that computes them (the first); once

@@ -124,8 +124,8 @@ class ModelRunner:
             query_start.append(end)
             seq_len = e.start_pos + q
             seq_lens.append(seq_len)
-            if e.needs_logits:
-                logits_rows.append(end - 1)
+            if e.needs_logits:  # the last row; with drafts, also the rows that verify them
+                logits_rows.extend(range(end - 1 - len(e.draft_token_ids), end))
             if q == 1:
                 decode_rows.append(start)
                 decode_reqs.append(i)
@@ -171,7 +171,11 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
 
-    def _sampling_metadata(self, entries: list[ScheduledRequest], grammar=None) -> SamplingMetadata:
+    def _sampling_metadata(self, entries: list[ScheduledRequest], grammar=None,
+                           offsets: list[int] | None = None) -> SamplingMetadata:
+        """One row per entry; offsets[i] > 0 marks a row verifying the entry's draft
+        offsets[i] - 1, a token that many positions further on (its seeded draw is the one
+        that position gets without speculation)."""
         dev, V = self.device, self.vocab_size
         params = [e.params for e in entries]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
@@ -200,10 +204,11 @@ class ModelRunner:
         banned = None
         if banned_rows:
             banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
+        offsets = offsets or [0] * len(entries)
         generators = [
-            seeded_generator(p.seed, len(e.prompt_token_ids) + len(e.output_token_ids), dev)
+            seeded_generator(p.seed, len(e.prompt_token_ids) + len(e.output_token_ids) + j, dev)
             if p.seed is not None and p.temperature > 0 else None
-            for p, e in zip(params, entries)
+            for p, e, j in zip(params, entries, offsets)
         ]
         return SamplingMetadata(
             temperature=temperature,
@@ -226,9 +231,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_rows = self._prepare(plan)
         entries = [e for e in plan.scheduled if e.needs_logits]
-        grammar_rows = [i for i, e in enumerate(entries) if e.grammar is not None]
+        # One sampling row per token due; an entry verifying d drafts has d + 1 of them.
+        row_entries = [e for e in entries for _ in range(len(e.draft_token_ids) + 1)]
+        offsets = [j for e in entries for j in range(len(e.draft_token_ids) + 1)]
+        grammar_rows = [i for i, e in enumerate(row_entries) if e.grammar is not None]
         # The constrained rows' masks are computed on a thread while the model runs.
-        masks = self.masks.start([entries[i].grammar for i in grammar_rows]) if grammar_rows else None
+        masks = self.masks.start([row_entries[i].grammar for i in grammar_rows]) if grammar_rows else None
         t1 = time.perf_counter()
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
@@ -239,34 +247,53 @@ class ModelRunner:
                            self.masks.finish(masks).to(self.device))
         t2 = time.perf_counter()
         sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, list[SampledToken]] = {}
         if entries:
             # logits_rows is padded to a bucket too; the extra rows repeat the first one.
             rows = hidden.index_select(0, logits_rows)
-            meta = self._sampling_metadata(entries, grammar)
+            n_rows = len(row_entries)
+            meta = self._sampling_metadata(row_entries, grammar, offsets)
             greedy = None
             if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
                     and meta.repetition_penalty is None and hasattr(self.model, "greedy_tokens")):
                 # Only the argmax is wanted: the model's fast path for it, where it has one.
                 greedy = self.model.greedy_tokens(rows, meta.grammar)
             if greedy is not None:
-                out = SamplerOutput(greedy[:len(entries)], None, None, None)
+                out = SamplerOutput(greedy[:n_rows], None, None, None)
             else:
-                out = self.sampler(self.model.compute_logits(rows)[:len(entries)], meta)
+                out = self.sampler(self.model.compute_logits(rows)[:n_rows], meta)
             # The one host sync of the step.
             token_ids = out.token_ids.tolist()
             if out.logprobs is not None:
                 lp_ids, lps, ranks = out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
-            for i, e in enumerate(entries):
+
+            def token(e: ScheduledRequest, i: int) -> SampledToken:
                 lp = None
                 if e.params.logprobs is not None:
                     lp = logprob_entry(lp_ids[i], lps[i], ranks[i], e.params.logprobs)
-                sampled[e.request_id] = SampledToken(token_ids[i], lp)
+                return SampledToken(token_ids[i], lp)
+
+            i = 0
+            for e in entries:
+                sampled[e.request_id] = token(e, i)
+                draft = e.draft_token_ids
+                if draft:
+                    # Verification: row j sampled the token after draft j - 1 exactly as a
+                    # step without speculation would have (same logits, same seeded draw);
+                    # drafts are kept while each equals the token sampled before it, and
+                    # the token sampled after the last kept one comes with them.
+                    a = 0
+                    while a < len(draft) and token_ids[i + a] == draft[a]:
+                        a += 1
+                    if a:
+                        accepted[e.request_id] = [token(e, i + j) for j in range(1, a + 1)]
+                i += len(draft) + 1
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
         t3 = time.perf_counter()
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
-        return StepResult(sampled, prompt_logprobs)
+        return StepResult(sampled, prompt_logprobs, accepted)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
         """Logprobs of prompt tokens for the entries that ask for them: the LM head over

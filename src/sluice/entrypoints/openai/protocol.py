@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from sluice.request import MAX_SESSION_ID_CHARS
 
@@ -99,6 +99,9 @@ class _SamplingFields(BaseModel):
     # priority, lower first under --scheduling-policy priority (vLLM's semantics).
     session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     priority: StrictInt = Field(default=0, ge=0)
+    # sluice extension: false = never speculative decoding for this request (where the
+    # server runs it, --speculative-method); the output is the same, only its speed differs.
+    speculative: StrictBool = True
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object
     # (json, json_object, regex, choice, grammar; sluice.structured.params) and vLLM's
     # older guided_* fields. At most one of them per request.

@@ -110,7 +110,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
     kwargs = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
                   min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
-                  structured_outputs=structured)
+                  structured_outputs=structured, speculative=getattr(req, "speculative", True))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
