@@ -23,6 +23,7 @@
 #   INPUT_LEN [210]  OUTPUT_LEN [128]  SEED [0]  WARMUP [1: one 8-token request first]
 #   WORKLOAD [standard; repetitive: `sluice bench serve --workload repetitive`, chat prompts
 #            whose answers repeat their context, for speculative decoding]
+#   EXTRA_BODY [none; JSON added to every request, e.g. '{"ignore_eos": false}']
 #   LLAMACPP_TYPES ["F32 BF16 Q8_0 Q4_1"; "" runs no llama.cpp]  HEALTH_TIMEOUT [600 s]
 #   ONLY [all]  FORCE_CLOSE [1: a new connection per request, see below]
 #   EXTRA_CONFIGS [none: more "name|command" entries, one a line, run after the others]
@@ -142,6 +143,7 @@ trap stop_server EXIT
 bench() {  # OUT.json CONCURRENCY REQUESTS OUTPUT_LEN SEED
     local extra=()
     [ "$FORCE_CLOSE" = 1 ] && extra=(--new-connections)
+    [ -n "${EXTRA_BODY:-}" ] && extra+=(--extra-body "$EXTRA_BODY")
     .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" "${extra[@]}" \
         --concurrency "$2" --requests "$3" --input-len "$INPUT_LEN" --output-len "$4" --seed "$5" --json "$1" \
         --workload "$WORKLOAD"

@@ -38,31 +38,37 @@ PROMPTS = [
 ]
 
 
-def outputs(llm: LLM, prompts, params):
+def outputs(llm: LLM, prompts, params, speculative: bool = True):
+    """(text, token ids, finish reason, stop reason) of every sample; speculative=False runs
+    the same requests opted out, which never draft: the plain engine's path."""
+    if not speculative:
+        params = [p.clone(speculative=False) for p in params] if isinstance(params, list) \
+            else params.clone(speculative=False)
     return [(o.text, tuple(o.token_ids), o.finish_reason, o.stop_reason)
             for r in llm.generate(prompts, params) for o in r.outputs]
 
 
-@pytest.fixture(scope="module")
-def plain_f32(smollm2_llm):
-    return smollm2_llm  # the session's float32 engine (conftest)
+@pytest.fixture()
+def spec_f32(smollm2_llm):
+    """The session's float32 engine (conftest; ngram speculation is the default), made to
+    speculate whenever a draft exists, for the length of a test."""
+    gate = smollm2_llm.engine.scheduler.spec.gate
+    gate.always = True
+    yield smollm2_llm
+    gate.always = False
 
 
-@pytest.fixture(scope="module")
-def spec_f32(smollm2_source):
-    return LLM(dtype="float32", kv_cache_memory=0.25, speculative_method="ngram", speculative_gate="always")
-
-
-def test_greedy_is_token_for_token_the_plain_engine_float32(plain_f32, spec_f32):
+def test_greedy_is_token_for_token_the_plain_engine_float32(spec_f32):
     params = SamplingParams(temperature=0, max_tokens=80)
+    want = outputs(spec_f32, PROMPTS, params, speculative=False)
     before = spec_f32.engine.scheduler.spec.stats.accepted
-    assert outputs(spec_f32, PROMPTS, params) == outputs(plain_f32, PROMPTS, params)
+    assert outputs(spec_f32, PROMPTS, params) == want
     st = spec_f32.engine.scheduler.spec.stats
     assert st.accepted - before > 50, "drafts were hardly ever accepted: the test would prove nothing"
     assert_all_blocks_free(spec_f32)
 
 
-def test_stops_lengths_logprobs_and_samples_as_without_speculation(plain_f32, spec_f32):
+def test_stops_lengths_logprobs_and_samples_as_without_speculation(spec_f32):
     cases = [
         SamplingParams(temperature=0, max_tokens=40, stop=["bananas, ch", "result"]),
         SamplingParams(temperature=0, max_tokens=7),
@@ -72,10 +78,10 @@ def test_stops_lengths_logprobs_and_samples_as_without_speculation(plain_f32, sp
     # One batch of every case and prompt per engine (each sequence as without speculation).
     prompts = [p for _ in cases for p in PROMPTS]
     params = [c for c in cases for _ in PROMPTS]
-    assert outputs(spec_f32, prompts, params) == outputs(plain_f32, prompts, params)
+    assert outputs(spec_f32, prompts, params) == outputs(spec_f32, prompts, params, speculative=False)
     lp = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
     a = spec_f32.generate(PROMPTS[:2], lp)
-    b = plain_f32.generate(PROMPTS[:2], lp)
+    b = spec_f32.generate(PROMPTS[:2], lp.clone(speculative=False))
     for ra, rb in zip(a, b):
         oa, ob = ra.outputs[0], rb.outputs[0]
         assert oa.token_ids == ob.token_ids
@@ -162,15 +168,28 @@ def test_unseeded_sampling_keeps_the_distribution(tiny_checkpoint):
     assert_all_blocks_free(spec)
 
 
-def test_preemption_and_aborts_mid_verification_leak_nothing(smollm2_source, plain_f32):
+class DraftsAlways:
+    """Drafts every step: the request's last k tokens again (a tiny random model repeats
+    nothing, so prompt lookup would rarely draft; most of these are rejected, some kept)."""
+
+    def propose(self, req, k):
+        return (req.prompt_token_ids + req.output_token_ids)[-k:]
+
+    def request_finished(self, req):
+        pass
+
+
+def test_preemption_and_aborts_mid_verification_leak_nothing(tiny_checkpoint):
     """A cache so small that verifying requests are preempted (and recomputed), and one
     aborted between planning and update: outputs as without speculation, every block free."""
-    spec = LLM(dtype="float32", num_blocks=6, speculative_method="ngram", speculative_gate="always")
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    assert outputs(spec, PROMPTS[1:], params) == outputs(plain_f32, PROMPTS[1:], params)
-    assert spec.engine.scheduler.num_preemptions > 0
+    spec = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=6, speculative_gate="always")
+    spec.engine.scheduler.spec.proposer = DraftsAlways()
+    prompts = [" ".join(str(i * j) for j in range(12)) for i in range(1, 5)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    assert outputs(spec, prompts, params) == outputs(spec, prompts, params, speculative=False)
+    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.scheduler.spec.stats.drafted > 0
     eng = spec.engine
-    for i, p in enumerate(PROMPTS[1:]):
+    for i, p in enumerate(prompts):
         eng.add_request(f"ab{i}", p, params)
     aborted = False
     while eng.has_unfinished_requests():

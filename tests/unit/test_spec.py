@@ -35,9 +35,10 @@ def test_token_index_finds_the_longest_most_recent_match():
 def test_ngram_drafts_what_followed_the_last_tokens_earlier():
     p = NgramProposer(min_match=2)
     req = make_request("a", [10, 11, 12, 13, 14, 10, 11])
-    assert p.propose(req, 3) == [12, 13, 14]
+    # A 2-token match drafts 2 tokens (draft_length: as many as matched).
+    assert p.propose(req, 3) == [12, 13]
     req.output_token_ids += [12, 13]          # the index follows the request as it grows
-    assert p.propose(req, 2) == [14, 10]
+    assert p.propose(req, 8) == [14, 10, 11, 12]   # now 4 tokens match
     assert p.propose(make_request("b", [1, 2, 3, 4]), 4) == []   # nothing repeats
     p.request_finished(req)
     assert "a" not in p._indexes
@@ -112,6 +113,7 @@ def test_expected_tokens():
     (dict(speculative_method="eagle"), "speculative_method"),
     (dict(speculative_gate="sometimes"), "speculative_gate"),
     (dict(speculative_min_match=1), "speculative_min_match"),
+    (dict(num_speculative_tokens=8, max_num_batched_tokens=8), "max_num_batched_tokens"),
 ])
 def test_bad_speculative_settings_are_refused(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -151,14 +153,14 @@ def run_step(sched, accept: dict[str, int], bonus: int = 99):
 
 def test_drafts_take_kv_slots_and_only_accepted_ones_count_as_computed():
     sched, kv = spec_scheduler()
-    prompt = [10, 11, 12, 13, 14, 15, 10, 11]
+    prompt = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11]
     req = make_request("a", prompt)
     sched.add_request(req)
     run_step(sched, {})                        # the prompt; first token 99
-    req.output_token_ids[-1] = 12              # (as if the model had said 12: "10 11 12" repeats)
+    req.output_token_ids[-1] = 12              # (as if the model had said 12: "9 10 11 12" repeats)
     plan, update = run_step(sched, {"a": 2})
     e = plan.scheduled[0]
-    assert e.token_ids == [12] + e.draft_token_ids and e.draft_token_ids == [13, 14, 15, 10]
+    assert e.token_ids == [12] + e.draft_token_ids and e.draft_token_ids == [13, 14, 15, 9]
     # Room for the drafts was taken: blocks for every drafted position.
     assert len(e.block_ids) == kv.blocks_needed(e.start_pos + len(e.token_ids))
     # Two accepted, then the bonus: three tokens, and everything but the last computed.
@@ -198,12 +200,12 @@ def test_max_tokens_caps_the_drafts():
 
 def test_a_stop_token_among_accepted_drafts_ends_the_request_there():
     sched, kv = spec_scheduler()
-    req = make_request("a", [4, 5, EOS, 6, 7, 4])
+    req = make_request("a", [3, 8, 4, 5, EOS, 6, 7, 3, 8, 4])
     sched.add_request(req)
     run_step(sched, {})
-    req.output_token_ids[-1] = 5                # "4 5" again: the draft is EOS, 6, 7, 4
+    req.output_token_ids[-1] = 5                # "3 8 4 5" again: the draft is EOS, 6, 7, 3
     plan, update = run_step(sched, {"a": 3})
-    assert plan.scheduled[0].draft_token_ids == [EOS, 6, 7, 4]
+    assert plan.scheduled[0].draft_token_ids == [EOS, 6, 7, 3]
     assert req.output_token_ids[-1] == EOS and req.status is RequestStatus.FINISHED_STOPPED
     assert update.finished == [req]
     assert kv.num_free_blocks == kv.num_blocks

@@ -57,27 +57,34 @@ def _functions(max_lines: int = 40) -> list[str]:
 
 
 def _agent_history(rng: random.Random) -> list[dict]:
-    """A tool-calling agent's conversation: each call re-sends the growing history, and
-    the assistant's next call follows the pattern of its earlier ones."""
+    """A tool-calling agent's conversation that re-sends its growing history: after each
+    tool result the assistant writes its whole task list again, one item's status changed
+    (the running-state pattern of planning agents), then its next call."""
     cities = ["Paris", "Lisbon", "Oslo", "Kyoto", "Lima", "Cairo", "Perth", "Quebec", "Seville", "Tallinn"]
-    msgs = [{"role": "system", "content": "You are a travel agent. Call tools with one JSON object per line: "
-                                          '{"tool": "weather", "city": ..., "days": ...}.'},
-            {"role": "user", "content": "Check the weather for each city on my list, one call per city: "
-                                        + ", ".join(rng.sample(cities, 8)) + "."}]
-    for city in rng.sample(cities, rng.randint(3, 5)):
-        days = rng.randint(2, 7)
-        msgs.append({"role": "assistant", "content": f'{{"tool": "weather", "city": "{city}", "days": {days}}}'})
-        temps = ", ".join(str(rng.randint(5, 30)) for _ in range(days))
-        msgs.append({"role": "user", "content": f'Tool result: {{"city": "{city}", "days": {days}, '
-                                                f'"max_c": [{temps}], "summary": "mostly dry"}}'})
+    todo = rng.sample(cities, 6)
+    status = {c: "pending" for c in todo}
+
+    def plan() -> str:
+        return "\n".join(f"- [{'x' if status[c] == 'done' else ' '}] weather for {c}: {status[c]}" for c in todo)
+
+    msgs = [{"role": "system", "content": "You are a travel agent with a weather tool. After every tool result, "
+                                          "write the task list again with the finished item checked, then the "
+                                          'next call as {"tool": "weather", "city": ...}.'},
+            {"role": "user", "content": "Check the weather for: " + ", ".join(todo) + "."}]
+    for city in todo[:rng.randint(2, 4)]:
+        msgs.append({"role": "assistant", "content": f'{plan()}\n{{"tool": "weather", "city": "{city}"}}'})
+        status[city] = "done"
+        msgs.append({"role": "user", "content": f'Tool result: {{"city": "{city}", "max_c": {rng.randint(5, 30)}, '
+                                                f'"rain_mm": {rng.randint(0, 20)}}}'})
     return msgs
 
 
 def make_repetitive_prompts(tokenizer, n: int, seed: int = 0) -> list[str]:
     """n chat prompts (rendered with the model's template) whose answers repeat their own
-    context, in turn: edit this code (a standard-library function, to be returned with
-    one change), quote and summarise (a documentation passage, quoted in full first), and a
-    tool-calling agent loop replaying its history (JSON calls in a fixed pattern)."""
+    context, in turn: edit this code (a standard-library function, returned whole with
+    one name changed), proofread and quote (a documentation passage, returned whole and
+    corrected), and a tool-calling agent loop replaying its history (its task list
+    re-written after every call)."""
     rng = random.Random(seed)
     funcs, docs = _functions(), [d for d in corpus().split("\n\n") if 300 < len(d) < 900]
     out = []
@@ -85,12 +92,13 @@ def make_repetitive_prompts(tokenizer, n: int, seed: int = 0) -> list[str]:
         kind = i % 3
         if kind == 0:
             src = rng.choice(funcs)
-            msgs = [{"role": "user", "content": "Add a docstring to this function and return the whole function "
-                                                f"otherwise unchanged:\n```python\n{src}```"}]
+            name = src.split("def ", 1)[1].split("(", 1)[0]
+            msgs = [{"role": "user", "content": f"Rename the function {name} to {name}_v2 and return the whole "
+                                                f"function, otherwise unchanged, in a code block:\n```python\n{src}```"}]
         elif kind == 1:
             doc = rng.choice(docs)
-            msgs = [{"role": "user", "content": f"Quote the following passage word for word, then summarise it in "
-                                                f"one sentence.\n\n{doc}"}]
+            msgs = [{"role": "user", "content": "Proofread this passage and return it in full with any typos "
+                                                f"fixed:\n\n{doc}"}]
         else:
             msgs = _agent_history(rng)
         out.append(tokenizer.apply_chat_template(msgs))

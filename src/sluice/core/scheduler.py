@@ -27,6 +27,11 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             served / weight) first, in arrival order within a tenant; the running request of
             the tenant with the highest counter is preempted.
 Sessions (pinned KV between calls) work under every policy.
+
+Speculative decoding (spec/): before the decodes are planned, the speculator says which
+decoding requests verify drafted tokens this step; such a request puts its last token and
+the drafts in the step (under the same budget, with KV slots for the drafts), and update()
+appends the tokens verification kept, one by one, each through the stop checks.
 """
 from __future__ import annotations
 

@@ -66,19 +66,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="structured outputs: seconds a grammar may take to compile before the request is "
                         "refused (default 10)")
-    g.add_argument("--speculative-method", default=None, choices=["ngram", "suffix"],
+    g.add_argument("--speculative-method", default="ngram", choices=["ngram", "suffix", "off"],
                    help="speculative decoding without a draft model: ngram = prompt lookup in the request's own "
-                        "prompt and output; suffix = that and the tenant's recent outputs. Lossless; run only in "
-                        "steps where the measured step times say it pays (default: off)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="speculative decoding: tokens drafted per request and step, at most, 1-16 (default 4)")
+                        "prompt and output; suffix = that and the tenant's recent outputs; off. Lossless; run only "
+                        "in steps where the measured step times say it pays (default ngram)")
+    g.add_argument("--num-speculative-tokens", type=int, default=8,
+                   help="speculative decoding: tokens drafted per request and step at most (as many as the "
+                        "match is long), 1-16 (default 8)")
     g.add_argument("--speculative-gate", default="auto", choices=["auto", "always"],
                    help="speculative decoding: auto = in steps where it pays by the measured step times and "
                         "acceptance rates; always = whenever a draft is found (default auto)")
     g.add_argument("--speculative-min-match", type=int, default=2,
                    help="speculative decoding: the fewest last tokens that must match for a draft (default 2)")
-    g.add_argument("--suffix-cache-tokens", type=int, default=65536,
-                   help="suffix speculation: each tenant's recent output tokens kept for drafting (default 65536)")
+    g.add_argument("--suffix-cache-tokens", type=int, default=16384,
+                   help="suffix speculation: each tenant's recent output tokens kept for drafting (default 16384)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
                         "whatever else shares its batch (docs/determinism.md)")
@@ -96,7 +97,7 @@ def engine_kwargs(args) -> dict:
                 max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
                 target_tpot_ms=args.target_tpot_ms, grammar_cache_size=args.grammar_cache_size,
                 grammar_compile_timeout_s=args.grammar_compile_timeout,
-                speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_method=None if args.speculative_method == "off" else args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_gate=args.speculative_gate, speculative_min_match=args.speculative_min_match,
                 suffix_cache_tokens=args.suffix_cache_tokens,
                 tenant_weights=parse_name_weights(args.tenant_weight, "--tenant-weight"))

@@ -23,12 +23,22 @@ from collections import OrderedDict
 MAX_PER_KEY = 8
 # A match is extended backwards at most this far (longer is no more telling).
 MAX_MATCH = 16
+# Drafted tokens per matched token (draft_length).
+LENGTH_FACTOR = 1.0
 # Separates the documents of a tenant's store, so that no match spans two.
 _SEP = -1
 # Context tokens kept before each stored output (its matches start in the prompt's end).
 STORED_PROMPT_TAIL = 8
 # Tenants whose stores are kept at most (the least recently used dropped).
-MAX_TENANTS = 1024
+MAX_TENANTS = 256
+
+
+def draft_length(match: int, k: int) -> int:
+    """Tokens to draft after a match of `match` tokens, at most k: as many as matched
+    (Arctic's suffix decoding scales its drafts with the match the same way). A long match
+    is a copy in progress and its continuation is likely right; a two-token match is as
+    likely a coincidence, and every draft costs a row of the step."""
+    return min(k, max(1, int(match * LENGTH_FACTOR)))
 
 
 class TokenIndex:
@@ -121,7 +131,7 @@ class NgramProposer:
         idx, _tail, length, start = self._own(req)
         if length < self.min_match:
             return []
-        return idx.tokens[start:start + k]
+        return idx.tokens[start:start + draft_length(length, k)]
 
     def request_finished(self, req) -> None:
         self._indexes.pop(req.request_id, None)
@@ -146,7 +156,7 @@ class SuffixProposer(NgramProposer):
                 source, length, start = store, s_len, s_start
         if length < self.min_match:
             return []
-        draft = source.tokens[start:start + k]
+        draft = source.tokens[start:start + draft_length(length, k)]
         if _SEP in draft:
             draft = draft[:draft.index(_SEP)]
         return draft
