@@ -93,8 +93,9 @@ def make_repetitive_prompts(tokenizer, n: int, seed: int = 0) -> list[str]:
         if kind == 0:
             src = rng.choice(funcs)
             name = src.split("def ", 1)[1].split("(", 1)[0]
-            msgs = [{"role": "user", "content": f"Rename the function {name} to {name}_v2 and return the whole "
-                                                f"function, otherwise unchanged, in a code block:\n```python\n{src}```"}]
+            ask = (f"Rename the function {name} to {name}_v2 and return the whole function, otherwise "
+                   f"unchanged, in a code block:\n```python\n{src}```")
+            msgs = [{"role": "user", "content": ask}]
         elif kind == 1:
             doc = rng.choice(docs)
             msgs = [{"role": "user", "content": "Proofread this passage and return it in full with any typos "
