@@ -142,7 +142,7 @@ def test_unseeded_sampling_keeps_the_distribution(tiny_checkpoint):
     """Rejection sampling with a point-mass draft: each verified position samples the model's
     own distribution, and a draft is kept only where it equals that sample (probability
     p(draft); otherwise the sample is drawn from p without the draft, renormalised), so
-    the output distribution is the plain engine's. Checked on a tiny model, 400 unseeded
+    the output distribution is the plain engine's. Checked on a tiny model, 300 unseeded
     samples of 4 tokens from each engine: at each verified position a two-sample
     chi-square test does not reject equality at p = 0.001. (A verifier that kept every
     draft would put all of position 1 on one token and fail at any sample size.)"""
@@ -157,11 +157,11 @@ def test_unseeded_sampling_keeps_the_distribution(tiny_checkpoint):
     hist = {}
     for name, llm in (("plain", plain), ("spec", spec)):
         hist[name] = [collections.Counter() for _ in range(4)]
-        for r in llm.generate(["1 2 3"] * 400, params):
+        for r in llm.generate(["1 2 3"] * 300, params):
             for j, t in enumerate(r.outputs[0].token_ids):
                 hist[name][j][t] += 1
     st = spec.engine.scheduler.spec.stats
-    assert st.accepted > 100, f"only {st.accepted} drafts accepted: the test would prove little"
+    assert st.accepted > 75, f"only {st.accepted} drafts accepted: the test would prove little"
     for j in range(1, 4):
         stat, df = chi2_two_sample(hist["plain"][j], hist["spec"][j])
         assert df >= 1 and stat < chi2_critical(df), f"position {j}: chi-square {stat:.1f} on {df} df"
@@ -211,9 +211,9 @@ def test_deterministic_mode_bitwise_with_and_without_speculation(best_kernel_isa
     crowds, under small step budgets (chunked prompts), in a cache
     that forces preemption, with prefix hits."""
     kw = dict(deterministic=True, num_blocks=16, max_model_len=256, cpu_isa=best_kernel_isa)
-    probes = {f"probe{i}-{s}": (p, SamplingParams(temperature=0.9, top_k=50, seed=100 + i, max_tokens=40,
+    probes = {f"probe{i}-{s}": (p, SamplingParams(temperature=0.9, top_k=50, seed=100 + i, max_tokens=32,
                                                   logprobs=2) if s else
-                                   SamplingParams(temperature=0, max_tokens=40, logprobs=2))
+                                   SamplingParams(temperature=0, max_tokens=32, logprobs=2))
               for i, p in enumerate(PROMPTS) for s in (0, 1)}
     spec = LLMEngine.from_kwargs(**kw, speculative_method="suffix", speculative_gate="always")
     solo = {}
@@ -224,7 +224,7 @@ def test_deterministic_mode_bitwise_with_and_without_speculation(best_kernel_isa
     spec.reset_prefix_cache()
     rng = random.Random(0)
     differ = runs = cached = 0
-    for trial in range(3):
+    for trial in range(2):
         spec.scheduler.config.max_num_batched_tokens = rng.choice([24, 64, 512])
         arrivals = [(rng.randint(0, 6), f"t{trial}-{key}", p, params) for key, (p, params) in probes.items()
                     if rng.random() < 0.6]
@@ -236,7 +236,7 @@ def test_deterministic_mode_bitwise_with_and_without_speculation(best_kernel_isa
             runs += 1
             differ += signature(out) != solo[rid.split("-", 1)[1]]
             cached += out.num_cached_tokens > 0
-    assert runs >= 10
+    assert runs >= 6
     assert differ == 0, f"{differ} of {runs} probe runs differ from the plain engine's solo run"
     assert spec.scheduler.num_preemptions > 0 and cached > 0
     assert spec.scheduler.spec.stats.accepted > 50
