@@ -62,3 +62,18 @@ def test_a_bad_speculative_field_is_a_400(spec_server, value):
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "speculative": value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "speculative" or "speculative" in r.json()["error"]["message"]
+
+
+def test_streamed_logprobs_cover_every_token_of_multi_token_steps(spec_server):
+    """A verifying step streams several tokens in one chunk: each still gets its logprob."""
+    client = OpenAI(base_url=f"{spec_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, logprobs=1)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, lps = [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            lps += lp.token_logprobs
+    assert tokens == whole.tokens and len(lps) == len(whole.token_logprobs) == 32
+    assert lps == pytest.approx(whole.token_logprobs, abs=1e-4)
