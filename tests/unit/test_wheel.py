@@ -1,6 +1,6 @@
-"""A non-editable install ships every kernel source and header: the wheel built from this
-tree holds each file of worker/kernels that a kernel build reads (a wheel without them
-would silently run torch's fallback)."""
+"""A non-editable install ships every module, kernel source and header: the wheel built
+from this tree holds each Python file and each file of worker/kernels that a kernel build
+reads (a wheel without them would silently run torch's fallback)."""
 from __future__ import annotations
 
 import shutil
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_wheel_ships_every_kernel_source_and_header(tmp_path):
+def test_wheel_ships_every_module_kernel_source_and_header(tmp_path):
     # Built from a copy, so that setuptools' build/ and egg-info never land in the checkout.
     src = tmp_path / "src"
     shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -31,3 +31,8 @@ def test_wheel_ships_every_kernel_source_and_header(tmp_path):
     assert needed == on_disk  # the build reads every source and header there is
     assert needed <= names, f"missing from the wheel: {sorted(needed - names)}"
     assert "sluice/worker/kernels/avx2/avx512_on_avx2.h" in names
+    # And every Python module (a package folder without __init__.py is left out by setuptools).
+    package = ROOT / "src" / "sluice"
+    modules = {f"sluice/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert modules <= names, f"missing from the wheel: {sorted(modules - names)}"
