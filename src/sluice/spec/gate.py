@@ -23,6 +23,8 @@ rate, so one lucky or unlucky step does not decide.
 """
 from __future__ import annotations
 
+from sluice.worker.shapes import bucket
+
 # t(n) ~ PRIOR_A + n (in units of the per-token cost): a step of n tokens costs about
 # (PRIOR_A + n) / (PRIOR_A + 1) times a single decode (bf16, 2026-12-02: 7.5 ms at 1 token,
 # 12.7 ms at 16, 48 ms at 96; benchmarks/spec_crossover.py).
@@ -37,16 +39,6 @@ PRIOR_DRAFTS = 4.0
 INITIAL_ACCEPTANCE = 0.5
 
 
-def size_key(n: int) -> int:
-    """The batch size the runner pads a step of n tokens to (worker/model_runner.bucket)."""
-    if n <= 4:
-        return n
-    for limit, step in ((64, 8), (512, 32)):
-        if n <= limit:
-            return -(-n // step) * step
-    return -(-n // 128) * 128
-
-
 def expected_tokens(alpha: float, d: int) -> float:
     """Tokens a request emits from d drafts each accepted with probability alpha in turn."""
     return float(d + 1) if alpha >= 1.0 else (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
@@ -55,14 +47,14 @@ def expected_tokens(alpha: float, d: int) -> float:
 class SpeculationGate:
     def __init__(self, always: bool = False) -> None:
         self.always = always
-        self.step_time: dict[int, float] = {}   # size_key(n) -> mean seconds
+        self.step_time: dict[int, float] = {}   # bucket(n) -> mean seconds
         self.acceptance = INITIAL_ACCEPTANCE     # the method's overall rate (EWMA per step)
         self._seen: set[int] = set()
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        key = size_key(num_tokens)
+        key = bucket(num_tokens)
         if key not in self._seen:
             # The first step of a new size builds its kernels (oneDNN: ~100 ms): were it
             # counted, that size would look too dear to be chosen, and so never measured again.
@@ -79,7 +71,7 @@ class SpeculationGate:
 
     def estimate(self, n: int) -> float:
         """Estimated seconds of a step of n tokens (relative units when nothing is measured)."""
-        key = size_key(n)
+        key = bucket(n)
         t = self.step_time.get(key)
         if t is not None:
             return t

@@ -28,21 +28,14 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)
 
 
-def can_speculate(req) -> str | None:
-    """Why a request cannot verify drafts now, or None if it can. Penalties read the output
-    so far and grammars advance token by token: per drafted position both would need
-    their own state, so those requests decode one token at a time (as they would with
-    speculation off); so does a request whose min_tokens still bans its stop tokens."""
+def can_speculate(req) -> bool:
+    """Whether a request may verify drafts now. Penalties read the output so far and
+    grammars advance token by token: per drafted position both would need their own state,
+    so those requests decode one token at a time (as they would with speculation off); so
+    does one that opted out, and one whose min_tokens still bans its stop tokens."""
     p = req.params
-    if not p.speculative:
-        return "opted out"
-    if p.has_penalties:
-        return "penalties"
-    if req.grammar is not None:
-        return "structured output"
-    if req.num_output_tokens < p.min_tokens:
-        return "min_tokens"
-    return None
+    return (p.speculative and not p.has_penalties and req.grammar is None
+            and req.num_output_tokens >= p.min_tokens)
 
 
 class Speculator:
@@ -64,7 +57,7 @@ class Speculator:
         cands = []
         for req in decodes:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            if room < 1 or can_speculate(req) is not None:
+            if room < 1 or not can_speculate(req):
                 continue
             draft = self.proposer.propose(req, min(self.k, room))
             if draft:

@@ -14,6 +14,7 @@ from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest
 from sluice.structured.grammar import MaskFiller
 from sluice.worker.attention import INT8_ROW_EXTRA, AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
+from sluice.worker.shapes import bucket
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +32,6 @@ class RunnerTimings:
     prepare: float = 0.0   # plan -> flat tensors
     forward: float = 0.0   # the model over the flat batch
     sample: float = 0.0    # LM head, sampling, the host sync
-
-
-def bucket(n: int) -> int:
-    """Round a batch's row count up to one of a few sizes. oneDNN builds a kernel per new
-    matrix shape (~1 ms per linear layer, 100+ ms per step: measured), and continuous
-    batching would otherwise see a new row count almost every step."""
-    if n <= 4:
-        return n
-    for limit, step in ((64, 8), (512, 32)):
-        if n <= limit:
-            return cdiv(n, step) * step
-    return cdiv(n, 128) * 128
 
 
 def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[tuple[int, float, int]]:
