@@ -156,18 +156,26 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Ranks (processes) the model is split over, each with its KV-head group of attention
+    # and its slice of the MLP (distributed/parallel.py); gloo all-reduces between them.
+    tensor_parallel_size: int = 1
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Flat keyword arguments (model=, dtype=, block_size=, ...) to nested config."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "structured": StructuredOutputsConfig, "speculative": SpeculativeConfig}
+                 "structured": StructuredOutputsConfig, "speculative": SpeculativeConfig, "parallel": ParallelConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
             for name, klass in parts.items():
@@ -215,6 +223,12 @@ class EngineConfig:
         if not g.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0 seconds, got {g.grammar_compile_timeout_s}")
         self._validate_speculative()
+        tp = self.parallel.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and not self.model.device.startswith("cpu"):
+            raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo between rank processes); "
+                             f"device={self.model.device!r} ranks over NCCL are not built yet")
         for name, w in s.tenant_weights.items():
             if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
                 raise ValueError(f"tenant_weights must map tenant names to weights > 0; got {name!r}: {w!r}")

@@ -14,7 +14,7 @@ method for the model (LINEAR_METHODS):
   inside the kernel (worker/kernels/w8a8.cpp), at every row count;
 - `onednn-bf16`: a oneDNN prepacked bf16 weight (`PackedWeight`), where our kernels do not
   run the model (the op inductor's freezing uses);
-- `torch-int8`: int8 weight-only quantization (`quantize_int8`, symmetric per-output-channel
+- `torch-int8`: int8 weight-only quantization (`quantize_rows`, symmetric per-output-channel
   scales; `Int8Weight`): rows of a step at most INT8_MAX_ROWS use torch's int8 matmul,
   more rows the dequantized weight.
 Numerics are unchanged where none is set: float32 and GPU keep plain F.linear.
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from sluice.models.linear import Linear
 
@@ -100,22 +99,6 @@ class Int8Weight:
 
 
 @torch.no_grad()
-def prepack_linears(model: nn.Module) -> int:
-    """Give every Linear a prepacked weight (kept behind its int8 weights, if any);
-    returns how many were packed."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            packed = PackedWeight(prepack_weight(module.weight))
-            if isinstance(module.method, Int8Weight):
-                module.method.packed = packed
-            else:
-                module.method = packed
-            n += 1
-    return n
-
-
-@torch.no_grad()
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
@@ -129,30 +112,25 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def quantize_int8(model: nn.Module, dtype: torch.dtype) -> int:
-    """Quantize every Linear's weight to int8 in place (the float weight becomes its
-    dequantized value); returns how many layers."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            q, scale = quantize_per_channel(module.weight)
-            module.weight.copy_((q.float() * scale[:, None]).to(module.weight.dtype))
-            module.method = Int8Weight(q, scale.to(dtype), module.weight.detach())
-            n += 1
-    return n
+def quantize_rows(module: Linear, start: int = 0, rows: int | None = None) -> None:
+    """Quantize rows [start, start + rows) of a Linear's weight (all by default) to int8 in
+    place: the weight keeps their dequantized values (what the layer computes with), and
+    `module.int8_scale` their float32 scales. Rows are independent (one scale each), so
+    requantizing some rows after a weight update gives what quantizing the whole new
+    weight would."""
+    rows = module.weight.shape[0] - start if rows is None else rows
+    w = module.weight.narrow(0, start, rows)
+    q, scale = quantize_per_channel(w)
+    w.copy_((q.float() * scale[:, None]).to(w.dtype))
+    if getattr(module, "int8_scale", None) is None:
+        module.int8_scale = torch.empty(module.weight.shape[0], dtype=torch.float32)
+    module.int8_scale[start:start + rows] = scale
 
 
-@torch.no_grad()
-def use_kernels(model: nn.Module, kernels, deterministic: bool, w8a8_except: tuple[str, ...] | None = None) -> int:
-    """Route every Linear through the C++ kernels; returns how many. Quantize first.
-    w8a8_except: None, or w8a8 for every quantized Linear whose name starts with none of
-    these prefixes (the rest keep int8 weights with bf16 activations)."""
-    n = 0
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            m = module.method
-            q = (m.qweight, m.qscale) if isinstance(m, Int8Weight) else None
-            w8a8 = w8a8_except is not None and not name.startswith(w8a8_except)
-            module.method = kernel_weight(kernels, module.weight, q, deterministic, w8a8)
-            n += 1
-    return n
+def int8_weight(module: Linear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized Linear's int8 weights and per-row scales (in `dtype`), read back from
+    its dequantized weight: exactly the int8 values quantize_rows computed, since a bf16
+    product q * scale is within 2^-8 of its value, so |q| <= 127 is off by under 0.5."""
+    scale = module.int8_scale
+    q = torch.round(module.weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(dtype)

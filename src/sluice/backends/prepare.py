@@ -1,7 +1,9 @@
 """Sets a loaded model up as the backend plan says (backends/select.py decides; this
 module carries it out): quantizes its weights, gives each Linear its method, the norms,
 SwiGLU and RoPE their ops, and builds the LM head and the fast paths our kernels have
-(the greedy head, the whole decoder stack in one C++ call). It knows the decoder layout
+(the greedy head, the whole decoder stack in one C++ call). After a weight update,
+`update` does the same for what the new weights touch, so the model computes what a
+fresh load of the new weights would. It knows the decoder layout
 of models/llama.py (the Llama family); the model itself never looks at the hardware.
 """
 from __future__ import annotations
@@ -11,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.backends.linear_methods import (Int8Weight, PackedWeight, kernel_weight, prepack_linears, prepack_weight,
-                                            quantize_int8, quantize_per_channel, use_kernels)
+from sluice.backends.linear_methods import (Int8Weight, PackedWeight, int8_weight, kernel_weight, prepack_weight,
+                                            quantize_per_channel, quantize_rows)
 from sluice.backends.ops import KernelOps
+from sluice.models.linear import Linear
 
 # Tokens per row that the greedy fast path rescores exactly (GreedyHead).
 GREEDY_CANDIDATES = 16
@@ -43,66 +46,113 @@ class GreedyHead:
         return self.kernels.greedy_head(approx, hidden, self.packed, GREEDY_CANDIDATES)
 
 
+QUANTIZATIONS = (None, "int8", "w8a8")
+
+
+def _linears(model):
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
 @torch.no_grad()
-def prepare(model, plan, quantization: str | None = None, max_positions: int | None = None) -> None:
+def prepare(model, plan, quantization: str | None = None, max_positions: int | None = None,
+            with_head: bool = True) -> None:
     """Quantize if asked, then run every linear layer, RMSNorm, SwiGLU and RoPE through the
     plan's kernels, or prepack the weights for oneDNN. Deterministic mode also fixes the
-    RoPE values."""
-    int8_head = None
-    if quantization in ("int8", "w8a8"):  # the same int8 weights; w8a8 also quantizes activations
-        quantize_int8(model, plan.dtype)
-        if model.lm_head is None:
-            # Tied head: an int8 copy for the head; the embedding table stays as loaded.
-            q, scale = quantize_per_channel(model.model.embed_tokens.weight)
-            int8_head = (q, scale.to(plan.dtype))
-    elif quantization is not None:
+    RoPE values. with_head=False: no LM head (a tensor-parallel rank other than 0, which
+    never computes logits)."""
+    if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None, 'int8' or 'w8a8', got {quantization!r}")
-    if plan.model_kernels is not None:
-        _use_kernels(model, plan.model_kernels, plan.deterministic,
-                     max_positions or model.arch.max_position_embeddings, plan.linear == "kernels-w8a8",
-                     plan.head == "kernels-greedy-w8a8", int8_head)
-        return
-    prepack = plan.linear.endswith("onednn-bf16")
-    if prepack:
-        prepack_linears(model)
-    if model.lm_head is not None:
-        model.head = model.lm_head
-        return
-    # Tied head: a packed copy beside the embedding table, and/or its int8 copy.
-    emb = model.model.embed_tokens.weight.detach()
-    packed = PackedWeight(prepack_weight(emb)) if prepack else None
-    model.head = Int8Weight(*int8_head, emb, packed) if int8_head is not None else packed
+    for name, module in _linears(model):
+        if quantization is not None:  # the same int8 weights; w8a8 also quantizes activations
+            quantize_rows(module)
+        module.method = _linear_method(model, name, module, plan, quantization)
+    _finish(model, plan, quantization, max_positions, with_head)
 
 
-def _use_kernels(model, k, deterministic: bool, max_positions: int, w8a8: bool, greedy_head: bool,
-                 int8_head) -> None:
-    # w8a8 everywhere but the LM head and the first and last decoder layers, which keep
-    # bf16 activations: on SmolLM2 int8 activations in the head took the KL divergence
-    # from float32 from 0.006 to 0.009, and in the two end layers from 0.0054 to 0.0063
-    # (and flipped the answer to "What is the capital of France?"), for ~1% of the speed.
-    last = len(model.model.layers) - 1
-    use_kernels(model, k, deterministic, ("lm_head", "model.layers.0.", f"model.layers.{last}.") if w8a8 else None)
-    if model.lm_head is None:  # tied head: its own packed copy of the embedding table
-        head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, deterministic)
-    else:
-        head = model.lm_head.method
-    model.head = dataclasses.replace(head, logits=True)  # float32 logits
-    if greedy_head and head.packed is not None:
-        # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
-        q, scale = quantize_per_channel(model.head_weight())
-        model._greedy_head = GreedyHead(k, k.w8a8_pack_weight(q), scale.float().contiguous(), head.packed,
-                                        model.arch.vocab_size)
+@torch.no_grad()
+def update(model, plan, quantization: str | None, written: dict[str, list[tuple[int, int]]],
+           with_head: bool = True) -> None:
+    """After a weight update wrote new checkpoint values into some parameters (`written`:
+    parameter name -> its (first row, rows) ranges, as model.load_weights returns): quantize
+    the new rows by the same method as at load, rebuild the methods of the layers they
+    belong to and every fast path that holds weights. The result is what prepare() makes
+    of a fresh load of the new weights."""
+    modules = dict(model.named_modules())
+    changed: dict[str, Linear] = {}
+    for pname, ranges in written.items():
+        owner, _, kind = pname.rpartition(".")
+        module = modules.get(owner)
+        if isinstance(module, Linear):
+            if quantization is not None and kind == "weight":
+                for start, rows in ranges:
+                    quantize_rows(module, start, rows)
+            changed[owner] = module
+    for name, module in changed.items():
+        module.method = _linear_method(model, name, module, plan, quantization)
+    _finish(model, plan, quantization, None, with_head)
+
+
+def _linear_method(model, name: str, module: Linear, plan, quantization: str | None):
+    """A Linear's method under the plan, from its weight (dequantized when quantized)."""
+    q = int8_weight(module, plan.dtype) if quantization is not None else None
+    k = plan.model_kernels
+    if k is not None:
+        # w8a8 everywhere but the LM head and the first and last decoder layers, which keep
+        # bf16 activations: on SmolLM2 int8 activations in the head took the KL divergence
+        # from float32 from 0.006 to 0.009, and in the two end layers from 0.0054 to 0.0063
+        # (and flipped the answer to "What is the capital of France?"), for ~1% of the speed.
+        last = len(model.model.layers) - 1
+        ends = ("lm_head", "model.layers.0.", f"model.layers.{last}.")
+        w8a8 = plan.linear == "kernels-w8a8" and not name.startswith(ends)
+        return kernel_weight(k, module.weight, q, plan.deterministic, w8a8)
+    packed = PackedWeight(prepack_weight(module.weight)) if plan.linear.endswith("onednn-bf16") else None
+    if q is not None:
+        return Int8Weight(q[0], q[1], module.weight.detach(), packed)
+    return packed
+
+
+def _finish(model, plan, quantization: str | None, max_positions: int | None, with_head: bool) -> None:
+    """What holds more than one layer's weights: the LM head, the greedy head, the decoder
+    stack; and the ops and RoPE table of the kernels."""
+    int8_head = None
+    if quantization is not None and model.lm_head is None and with_head:
+        # Tied head: an int8 copy for the head; the embedding table stays as loaded.
+        q, scale = quantize_per_channel(model.model.embed_tokens.weight)
+        int8_head = (q, scale.to(plan.dtype))
+    k = plan.model_kernels
+    if k is None:
+        if not with_head:
+            return
+        if model.lm_head is not None:
+            model.head = model.lm_head
+            return
+        # Tied head: a packed copy beside the embedding table, and/or its int8 copy.
+        emb = model.model.embed_tokens.weight.detach()
+        packed = PackedWeight(prepack_weight(emb)) if plan.linear.endswith("onednn-bf16") else None
+        model.head = Int8Weight(*int8_head, emb, packed) if int8_head is not None else packed
+        return
+    if with_head:
+        if model.lm_head is None:  # tied head: its own packed copy of the embedding table
+            head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, plan.deterministic)
+        else:
+            head = model.lm_head.method
+        model.head = dataclasses.replace(head, logits=True)  # float32 logits
+        if plan.head == "kernels-greedy-w8a8" and head.packed is not None:
+            # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
+            q, scale = quantize_per_channel(model.head_weight())
+            model._greedy_head = GreedyHead(k, k.w8a8_pack_weight(q), scale.float().contiguous(), head.packed,
+                                            model.arch.vocab_size)
     ops = KernelOps(k)
     for module in model.modules():
         if hasattr(type(module), "ops"):
             module.ops = ops
-    if not model.arch.qk_norm:
+    if plan.stack and not model.arch.qk_norm:
         model._stack = build_stack(model, k)
-    if deterministic:
+    if plan.deterministic and model._rope_table is None:
         # One cos/sin table for every position, built once: computing them per batch runs
         # cos/sin over a tensor whose length depends on the batch, and vectorised and
         # scalar-tail elements of such kernels may round differently.
-        positions = torch.arange(max_positions, device=model.inv_freq.device)
+        positions = torch.arange(max_positions or model.arch.max_position_embeddings, device=model.inv_freq.device)
         cos, sin = model.rope(positions, model.model.embed_tokens.weight.dtype)
         model._rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
 
@@ -115,9 +165,8 @@ def build_stack(model, k):
         bias = None if module.bias is None else module.bias.detach()
         return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8)
 
-    a = model.arch
     first = model.model.layers[0].self_attn
-    stack = k.DecoderStack(a.num_heads, a.num_kv_heads, a.head_dim, first.scale, model.model.norm.eps,
+    stack = k.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, first.scale, model.model.norm.eps,
                            model.model.norm.weight.detach())
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

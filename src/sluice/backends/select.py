@@ -55,6 +55,10 @@ class BackendPlan:
     rope: str                    # RoPE and the KV-cache write
     head: str                    # the LM head, and the greedy argmax
     deterministic: bool
+    # The decoder layers as one C++ call (kernels.DecoderStack) where the kernels run the
+    # model; not under tensor parallelism, whose all-reduces sit between the layers' ops.
+    stack: bool = False
+    tensor_parallel_size: int = 1
 
     @property
     def model_kernels(self):
@@ -65,9 +69,11 @@ class BackendPlan:
     def line(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         kv = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        tp = (f" tp={self.tensor_parallel_size} (gloo all-reduce after attention and MLP; layers in Python)"
+              if self.tensor_parallel_size > 1 else "")
         return (f"backend: {self.device} isa={self.isa} dtype={dtype} linear={self.linear} "
                 f"attention={self.attention} kv={kv} norm={self.norm} rope={self.rope} head={self.head} "
-                f"deterministic={'on' if self.deterministic else 'off'}")
+                f"deterministic={'on' if self.deterministic else 'off'}{tp}")
 
 
 def _modes(quantization, kv_cache_dtype, deterministic) -> list[tuple[str, str]]:
@@ -127,9 +133,10 @@ def model_dtype(model_config, kv_cache_dtype: str, isa: str) -> torch.dtype:
     return dtype
 
 
-def select(model_config, cache_config) -> BackendPlan:
-    """The plan for this engine; loads (building on first use) the kernels it needs.
-    Raises ValueError, before any weight is loaded, for what cannot run here."""
+def select(model_config, cache_config, tensor_parallel_size: int = 1, log: bool = True) -> BackendPlan:
+    """The plan for this engine (each tensor-parallel rank runs the same one); loads
+    (building on first use) the kernels it needs. Raises ValueError, before any weight is
+    loaded, for what cannot run here."""
     m, kv = model_config, cache_config.kv_cache_dtype
     isa = check(m.device, m.cpu_isa, m.quantization, kv, m.deterministic)
     k = None
@@ -163,6 +170,8 @@ def select(model_config, cache_config) -> BackendPlan:
         norm = rope = "torch"
         head = linear
     plan = BackendPlan(device=m.device, isa=isa, kernels=k, dtype=dtype, linear=linear, attention=attention,
-                       kv_cache_dtype=kv, norm=norm, rope=rope, head=head, deterministic=m.deterministic)
-    logger.info("%s", plan.line())
+                       kv_cache_dtype=kv, norm=norm, rope=rope, head=head, deterministic=m.deterministic,
+                       stack=run_model and tensor_parallel_size == 1, tensor_parallel_size=tensor_parallel_size)
+    if log:
+        logger.info("%s", plan.line())
     return plan

@@ -350,6 +350,14 @@ class Scheduler:
             draft_token_ids=draft or [],
         )
 
+    def preempt_all(self) -> int:
+        """Preempt every running request (a weight update: their KV was computed with the
+        old weights); they keep their order at the front of the queue. Returns how many."""
+        running = list(self.running)
+        for req in reversed(running):
+            self._preempt(req)
+        return len(running)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)

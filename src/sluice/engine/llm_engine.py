@@ -7,27 +7,33 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from sluice.backends.prepare import prepare as prepare_model
+from sluice.backends.prepare import update as update_prepared
 from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
 from sluice.models.loader import iter_weights, load_hf_config, resolve_model
-from sluice.models.registry import build_model
+from sluice.distributed.parallel import SINGLE, TPShard, check_tp_size, split
+from sluice.distributed.tensor_parallel import TensorParallel
+from sluice.models.registry import build_model, model_arch
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
-from sluice.worker.model_runner import ModelRunner, RunnerTimings
+from sluice.worker.model_runner import ModelRunner, RunnerTimings, num_kv_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,62 @@ def check_scheduling_fields(session_id, tenant, priority) -> None:
         raise ValueError(f"priority must be an integer >= 0 (lower runs first), got {priority!r}")
 
 
+@dataclass
+class Shard:
+    """One process's model: the backend plan, the model (this rank's shard of it under
+    tensor parallelism, else all of it), loaded and prepared, and its runner."""
+    config: EngineConfig
+    backend: object
+    src: object
+    hf_config: object
+    model: object
+    runner: ModelRunner
+    max_model_len: int
+    rank: int = 0
+
+    def apply_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Write checked checkpoint tensors (check_weights) into the model and rebuild what
+        they touch, as a fresh load of them would be (backends/prepare.update)."""
+        written = self.model.load_weights(named, strict=False)
+        update_prepared(self.model, self.backend, self.config.model.quantization, written, with_head=self.rank == 0)
+
+
+def build_shard(config: EngineConfig, group=None) -> Shard:
+    """Select the backend, build and load the model (rank group.rank's shard under tensor
+    parallelism), prepare it and allocate its KV cache."""
+    mc = config.model
+    size = config.parallel.tensor_parallel_size
+    rank = group.rank if group is not None else 0
+    # Which implementation runs each op, decided once and logged in one line; kernels are
+    # built (first start) and any mode that cannot run refused before weights load.
+    backend = select_backend(mc, config.cache, size, log=rank == 0)
+    src = resolve_model(mc.model)
+    hf_config = load_hf_config(src)
+    device = torch.device(mc.device)
+    with torch.device(device):
+        model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
+    arch = model.arch
+    if config.cache.kv_cache_dtype == "int8" and arch.head_dim % 4:
+        raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
+    model.load_weights(iter_weights(src, backend.dtype))
+    model.eval()
+    max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    prepare_model(model, backend, mc.quantization, max_model_len, with_head=rank == 0)
+    model_kernels = backend.model_kernels
+    runner = ModelRunner(model, config.cache, backend.dtype, device, mc.seed, kernels=backend.kernels,
+                         batch_invariant_kernels=model_kernels if mc.deterministic else None,
+                         flat_prefill=model_kernels is not None)
+    return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine's KV cache is freed (sleep()); wake_up() restores it."""
+
+
+class EngineBusyError(RuntimeError):
+    """An operation that needs an idle engine found requests in flight."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()  # idempotent; refuses modes this machine cannot run, before anything loads
@@ -75,39 +137,53 @@ class LLMEngine:
         mc = config.model
         self.device = torch.device(mc.device)
         t0 = time.perf_counter()
-        # Which implementation runs each op, decided once and logged in one line; kernels
-        # are built (first start) and any mode that cannot run refused before weights load.
-        self.backend = select_backend(mc, config.cache)
+        size = config.parallel.tensor_parallel_size
+        # Tensor parallelism: the other ranks are started first, so that they load their
+        # shards while this process loads its own; every rank gets the same number of KV
+        # blocks (sized here for rank 0's KV heads, the most any rank holds).
+        self.tp: TensorParallel | None = None
+        if size > 1:
+            dtype = select_backend(mc, config.cache, size, log=False).dtype  # refuses what cannot run here
+            arch = model_arch(load_hf_config(resolve_model(mc.model)))
+            check_tp_size(size, arch.num_kv_heads)
+            heads = split(arch.num_kv_heads, size, 0)[1]
+            cache = dataclasses.replace(config.cache, num_blocks=num_kv_blocks(config.cache, arch, dtype, heads))
+            config = dataclasses.replace(config, cache=cache)
+            self.config = config
+            self.tp = TensorParallel(size)
+            self.tp.start(config)
+        try:
+            shard = build_shard(config, self.tp.group if self.tp else None)
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        self.shard = shard
+        self.backend = shard.backend
         self.dtype = self.backend.dtype
-        model_kernels = self.backend.model_kernels
-        src = resolve_model(mc.model)
-        hf_config = load_hf_config(src)
-        with torch.device(self.device):
-            model = build_model(hf_config).to(self.dtype)
-        arch = model.arch
-        if config.cache.kv_cache_dtype == "int8" and arch.head_dim % 4:
-            raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
-        model.load_weights(iter_weights(src, self.dtype))
-        model.eval()
-        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
-                                 arch.max_position_embeddings)
-        prepare_model(model, self.backend, mc.quantization, self.max_model_len)
+        self.max_model_len = shard.max_model_len
+        src, hf_config = shard.src, shard.hf_config
         self.tokenizer = Tokenizer.load(src, hf_config)
         self.model_path = src.path
         # structured_outputs: grammars compiled for this tokenizer (on first use).
-        self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids, arch.vocab_size,
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids, shard.model.arch.vocab_size,
                                         cache_size=config.structured.grammar_cache_size,
                                         compile_timeout_s=config.structured.grammar_compile_timeout_s)
-        self.runner = ModelRunner(model, config.cache, self.dtype, self.device, mc.seed,
-                                  kernels=self.backend.kernels,
-                                  batch_invariant_kernels=model_kernels if mc.deterministic else None,
-                                  flat_prefill=model_kernels is not None,
-                                  grammar_mask_width=self.grammars.mask_width)
+        self.runner = shard.runner
+        self.runner.set_grammar_mask_width(self.grammars.mask_width)
+        self.runner.tp = self.tp
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.timings = StepTimings(runner=self.runner.timings)
+        # Weight updates (update_weights): the version responses report; sleep(): the KV
+        # cache is freed.
+        self.weight_version = "0"
+        self.num_weight_updates = 0
+        self.asleep = False
         logger.info("loaded %s (%s) in %.1fs", src.path, self.dtype, time.perf_counter() - t0)
 
     def _speculator(self) -> Speculator | None:
@@ -132,6 +208,8 @@ class LLMEngine:
         request is served for (the `fair` policy's unit; default one shared tenant).
         priority: lower first under the `priority` policy (an integer >= 0)."""
         params = params or SamplingParams()
+        if self.asleep:
+            raise EngineAsleepError("the engine is asleep (its KV cache is freed); wake_up() first")
         check_scheduling_fields(session_id, tenant, priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -213,6 +291,112 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefix blocks (needed after a weight update); returns how many."""
         return self.scheduler.reset_prefix_cache()
+
+    # -- weights, sleep ------------------------------------------------------
+    def check_weights(self, weights) -> list[tuple[str, torch.Tensor]]:
+        """A weight update's tensors, checked whole before anything changes: each must be
+        a checkpoint tensor this model takes (Hugging Face names), with the checkpoint's
+        shape and a floating-point dtype, and named once. Returns them in the model's
+        dtype, as loading converts them; ValueError naming the first bad one."""
+        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        model = self.shard.model
+        out, seen = [], set()
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError("weights must be (name, tensor) pairs or a dict of them")
+            name, tensor = item
+            if name in seen:
+                raise ValueError(f"weight {name!r} is given twice")
+            seen.add(name)
+            try:
+                slot = model.weight_slot(name)
+            except ValueError:
+                raise ValueError(f"weight {name!r} has no place in this model (checkpoint names, e.g. "
+                                 f"{next(iter(model.weight_slots()))!r})") from None
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            if not tensor.dtype.is_floating_point:
+                raise ValueError(f"weight {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; a "
+                                 f"floating-point dtype is needed (converted to the model's "
+                                 f"{str(self.dtype).removeprefix('torch.')})")
+            if slot is None:
+                continue  # a tensor loading skips as well (a tied head's copy, rotary tables)
+            if tuple(tensor.shape) != slot.shape:
+                raise ValueError(f"weight {name!r} has shape {list(tensor.shape)}, this model's is {list(slot.shape)}")
+            out.append((name, tensor.detach().to(device=self.device, dtype=self.dtype)))
+        if not out:
+            raise ValueError("a weight update needs at least one tensor")
+        return out
+
+    def update_weights(self, weights, weight_version: str | None = None) -> int:
+        """Replace some or all of the model's weights (name -> tensor, Hugging Face names,
+        as a trainer's state_dict has them; a dict or (name, tensor) pairs). Everything is
+        checked before anything changes (check_weights); quantized layers are quantized by
+        the same method as at load. Requests in flight are preempted and continue on the
+        new weights: their prompt and the tokens they have are recomputed; the prefix cache
+        and session pins, computed with the old weights, are dropped. Call it between
+        steps. Returns how many tensors changed."""
+        named = self.check_weights(weights)
+        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
+            raise ValueError("weight_version must be a non-empty string")
+        t0 = time.perf_counter()
+        self.scheduler.preempt_all()
+        self.shard.apply_weights(named)
+        if self.tp is not None:
+            self.tp.send(("update",))
+            self.tp.group.broadcast_tensors(named)
+        self.reset_prefix_cache()
+        self.num_weight_updates += 1
+        self.weight_version = weight_version or str(self.num_weight_updates)
+        logger.info("weights updated: %d tensor(s) in %.2f s, version %s", len(named), time.perf_counter() - t0,
+                    self.weight_version)
+        return len(named)
+
+    def load_weights(self, path: str | Path, weight_version: str | None = None) -> int:
+        """update_weights from a checkpoint on disk: a .safetensors file, a Hugging Face
+        folder of them, or a .gguf file (all of its tensors, or any subset)."""
+        p = Path(path).expanduser()
+        if p.is_file() and p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            weights = list(load_file(str(p)).items())
+        elif p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
+            src = resolve_model(str(p))
+            weights = list(iter_weights(src, self.dtype))
+        else:
+            raise ValueError(f"load_weights takes a .safetensors file, a folder of them or a .gguf file; got {str(p)!r}")
+        return self.update_weights(weights, weight_version)
+
+    def sleep(self) -> int:
+        """Free the KV cache (its memory goes back to the system) until wake_up(), e.g.
+        between the rollout phases of a training loop; the weights stay. Only when no
+        request is in flight (EngineBusyError); requests added while asleep are refused
+        (EngineAsleepError). Returns the bytes freed."""
+        if self.scheduler.has_unfinished_requests():
+            raise EngineBusyError(f"{len(self.scheduler.requests)} request(s) in flight; sleep when the engine is idle")
+        if self.asleep:
+            return 0
+        self.reset_prefix_cache()
+        freed = self.runner.free_kv()
+        if self.tp is not None:
+            self.tp.send(("sleep",))
+        self.asleep = True
+        logger.info("asleep: the KV cache (%.2f GiB) is freed", freed / 2**30)
+        return freed
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again after sleep()."""
+        if not self.asleep:
+            return
+        self.runner.allocate_kv()
+        if self.tp is not None:
+            self.tp.send(("wake",))
+        self.asleep = False
+        logger.info("awake: the KV cache is back")
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do in one process)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def release_session(self, session_id: str, tenant: str | None = None) -> int | None:
         """Drop a session's pinned KV blocks now; returns how many it held, None if this

@@ -46,6 +46,29 @@ class LLM:
         return self._run(prompts, sampling_params, use_tqdm, session_id=session_id, priority=priority,
                          tenant=tenant)
 
+    def update_weights(self, weights, weight_version: str | None = None) -> int:
+        """Replace some or all of the model's weights: a dict (or pairs) of Hugging Face
+        names to tensors, e.g. a trainer model's state_dict(). Checked whole first (a
+        ValueError names the first bad tensor and nothing changes); quantized layers are
+        requantized as at load; the prefix cache is reset. Returns how many tensors changed."""
+        return self.engine.update_weights(weights, weight_version)
+
+    def load_weights(self, path: str, weight_version: str | None = None) -> int:
+        """update_weights from a .safetensors file, a folder of them or a .gguf file."""
+        return self.engine.load_weights(path, weight_version)
+
+    @property
+    def weight_version(self) -> str:
+        """"0" as loaded; after each update its weight_version, or the count of updates."""
+        return self.engine.weight_version
+
+    def sleep(self) -> int:
+        """Free the KV cache until wake_up() (weights stay); returns the bytes freed."""
+        return self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def release_session(self, session_id: str, tenant: str | None = None) -> int | None:
         """Drop a session's pinned KV now; returns how many blocks it held (None: unknown)."""
         return self.engine.release_session(session_id, tenant)

@@ -3,6 +3,10 @@
 After loading, backends/prepare.py may set `method`, a callable `method(x, bias)` from
 backends/linear_methods.py (our kernels, int8 weights, a oneDNN prepacked weight); the
 layer itself knows nothing of the hardware.
+
+A row-parallel layer (tensor parallelism, distributed/parallel.py) holds a slice of the
+input features; `reduce` is the group whose all-reduce sums the ranks' partial outputs,
+and only rank 0 adds the bias, so that it is added once.
 """
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ from torch import nn
 
 class Linear(nn.Linear):
     method = None  # set by the backend; None: F.linear on the weight as loaded
+    reduce = None  # row-parallel: the tensor-parallel group (TPGroup) to all-reduce over
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.method is not None:
-            return self.method(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        bias = self.bias if self.reduce is None or self.reduce.rank == 0 else None
+        y = self.method(x, bias) if self.method is not None else F.linear(x, self.weight, bias)
+        if self.reduce is not None:
+            self.reduce.all_reduce(y)
+        return y

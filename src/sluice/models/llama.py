@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.backends.ops import TORCH_OPS
+from sluice.distributed.parallel import SINGLE, TPShard, split
 from sluice.models.linear import Linear
 from sluice.worker.attention import AttentionMetadata, flat_attention_kernel, paged_attention
 
@@ -107,13 +108,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     ops = TORCH_OPS
 
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        # This rank's KV heads (all of them in one process) and the query heads reading them.
+        self.kv_start, self.num_kv_heads = split(arch.num_kv_heads, tp.size, tp.rank)
+        per_kv = arch.num_heads // arch.num_kv_heads
+        self.q_start, self.num_heads = self.kv_start * per_kv, self.num_kv_heads * per_kv
+        self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj.reduce = tp.group
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -128,44 +134,55 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     ops = TORCH_OPS
 
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.start, self.intermediate_size = split(arch.intermediate_size, tp.size, tp.rank)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, bias=False)
+        self.down_proj.reduce = tp.group
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
         super().__init__()
-        self.self_attn = Attention(arch)
-        self.mlp = MLP(arch)
+        self.self_attn = Attention(arch, tp)
+        self.mlp = MLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    # Hugging Face checkpoint name -> (our fused parameter, shard index).
-    _stacked = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows [offset, offset + rows) of parameter `param`
+    (a fused Q/K/V or gate/up parameter takes several tensors), from a checkpoint tensor
+    of `shape`, of which this rank keeps `shard` = (dim, start, size) (None: all of it)."""
+    param: str
+    offset: int
+    shape: tuple[int, ...]
+    shard: tuple[int, int, int] | None = None
 
-    def __init__(self, arch: LlamaArch):
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor of the right shape."""
+        return tensor if self.shard is None else tensor.narrow(*self.shard)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch)
+        self.tp = tp
+        self.model = LlamaModel(arch, tp)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         # Set by the backend (backends/prepare.py): the LM head as a callable hidden ->
@@ -225,50 +242,92 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self._greedy_head(hidden, grammar)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank holds (its KV cache's), all of them in one process."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Every checkpoint tensor this model takes, by Hugging Face name."""
+        if getattr(self, "_slots", None) is None:
+            self._slots = self._make_slots()
+        return self._slots
+
+    def _make_slots(self) -> dict[str, WeightSlot]:
+        a, params = self.arch, dict(self.named_parameters())
+        hidden, d = a.hidden_size, a.head_dim
+        slots = {}
+
+        def plain(name: str) -> None:
+            slots[name] = WeightSlot(name, 0, tuple(params[name].shape))
+
+        plain("model.embed_tokens.weight")
+        plain("model.norm.weight")
+        if self.lm_head is not None:
+            plain("lm_head.weight")
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            plain(p + "input_layernorm.weight")
+            plain(p + "post_attention_layernorm.weight")
+            qkv = [("q_proj", a.num_heads, attn.q_start, attn.num_heads),
+                   ("k_proj", a.num_kv_heads, attn.kv_start, attn.num_kv_heads),
+                   ("v_proj", a.num_kv_heads, attn.kv_start, attn.num_kv_heads)]
+            offset = 0
+            for proj, heads, start, local in qkv:
+                for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
+                    shape = (heads * d, hidden) if kind == "weight" else (heads * d,)
+                    slots[f"{p}self_attn.{proj}.{kind}"] = WeightSlot(
+                        f"{p}self_attn.qkv_proj.{kind}", offset, shape, (0, start * d, local * d))
+                offset += local * d
+            slots[p + "self_attn.o_proj.weight"] = WeightSlot(
+                p + "self_attn.o_proj.weight", 0, (hidden, a.num_heads * d), (1, attn.q_start * d, attn.q_size))
+            if a.o_bias:
+                plain(p + "self_attn.o_proj.bias")
+            if a.qk_norm:
+                plain(p + "self_attn.q_norm.weight")
+                plain(p + "self_attn.k_norm.weight")
+            for j, proj in enumerate(("gate_proj", "up_proj")):
+                slots[f"{p}mlp.{proj}.weight"] = WeightSlot(
+                    p + "mlp.gate_up_proj.weight", j * mlp.intermediate_size, (a.intermediate_size, hidden),
+                    (0, mlp.start, mlp.intermediate_size))
+            slots[p + "mlp.down_proj.weight"] = WeightSlot(
+                p + "mlp.down_proj.weight", 0, (hidden, a.intermediate_size), (1, mlp.start, mlp.intermediate_size))
+        return slots
+
+    def weight_slot(self, name: str) -> WeightSlot | None:
+        """Where checkpoint tensor `name` goes; None for a tensor loading skips (rotary
+        tables; the head's copy when the embedding is the head); ValueError for one that
+        has no place in this model."""
+        slot = self.weight_slots().get(name)
+        if slot is not None:
+            return slot
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+                     ) -> dict[str, list[tuple[int, int]]]:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, this rank's
+        shard of each. strict: every tensor the model takes must come. Returns, per
+        parameter written, the (first row, rows) ranges written."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        arch = self.arch
-        qkv_sizes = [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim,
-                     arch.num_kv_heads * arch.head_dim]
+        written: dict[str, list[tuple[int, int]]] = {}
+        seen: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            slot = self.weight_slot(name)
+            if slot is None:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            parts = name.split(".")
-            target, shard = name, None
-            for i, part in enumerate(parts):
-                if part in self._stacked:
-                    fused, shard = self._stacked[part]
-                    parts[i] = fused
-                    target = ".".join(parts)
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                param.copy_(tensor)
-                loaded.add(target)
-            else:
-                sizes = qkv_sizes if "qkv_proj" in target else [arch.intermediate_size] * 2
-                offset = sum(sizes[:shard])
-                dst = param.narrow(0, offset, sizes[shard])
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
-                dst.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
-        expected = set()
-        for pname in params:
-            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
-                expected |= {f"{pname}#{i}" for i in range(3)}
-            elif pname.endswith("gate_up_proj.weight"):
-                expected |= {f"{pname}#{i}" for i in range(2)}
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
+            if tuple(tensor.shape) != slot.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {slot.shape}")
+            part = slot.take(tensor)
+            param = params[slot.param]
+            dst = param if slot.offset == 0 and part.shape == param.shape else param.narrow(0, slot.offset, part.shape[0])
+            dst.copy_(part)
+            written.setdefault(slot.param, []).append((slot.offset, dst.shape[0]))
+            seen.add(name)
+        missing = sorted(set(self.weight_slots()) - seen)
+        if strict and missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+        return written

@@ -1,6 +1,7 @@
 """Architecture name (config.json `architectures` / GGUF general.architecture) -> model class."""
 from __future__ import annotations
 
+from sluice.distributed.parallel import SINGLE, TPShard, check_tp_size
 from sluice.models.llama import LlamaArch, LlamaForCausalLM
 
 _MODELS = {
@@ -12,13 +13,25 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM"}
 
 
-def build_model(hf_config):
+def _classes(hf_config):
     archs = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
     if not archs and model_type in _MODEL_TYPES:
         archs = [_MODEL_TYPES[model_type]]
     for name in archs:
         if name in _MODELS:
-            model_cls, arch_cls = _MODELS[name]
-            return model_cls(arch_cls.from_hf_config(hf_config))
+            return _MODELS[name]
     raise ValueError(f"unsupported architecture {archs or model_type}; supported: {', '.join(_MODELS)}")
+
+
+def model_arch(hf_config):
+    """The architecture record (sizes, heads) of this config's model."""
+    return _classes(hf_config)[1].from_hf_config(hf_config)
+
+
+def build_model(hf_config, tp: TPShard = SINGLE):
+    """The model for this config; under tensor parallelism, rank tp.rank's part of it."""
+    model_cls, arch_cls = _classes(hf_config)
+    arch = arch_cls.from_hf_config(hf_config)
+    check_tp_size(tp.size, arch.num_kv_heads)
+    return model_cls(arch, tp)

@@ -11,6 +11,7 @@ import torch
 from sluice.config import CacheConfig
 from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
+from sluice.distributed.tensor_parallel import step_inputs
 from sluice.structured.grammar import MaskFiller
 from sluice.worker.attention import INT8_ROW_EXTRA, AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
@@ -19,12 +20,21 @@ from sluice.worker.shapes import bucket
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       num_kv_heads: int | None = None) -> int:
+    """Bytes of one KV block over all layers, for `num_kv_heads` (a tensor-parallel rank's;
+    default all of the model's)."""
     if kv_cache_dtype == "int8":  # int8 values and a float32 scale per token and kv head
         row = arch.head_dim + INT8_ROW_EXTRA
     else:
         row = arch.head_dim * torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * row
+    return 2 * arch.num_layers * block_size * (num_kv_heads or arch.num_kv_heads) * row
+
+
+def num_kv_blocks(cache: CacheConfig, arch, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """The cache's block count: as given, else as many as kv_cache_memory holds."""
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype, num_kv_heads)
+    return cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
 
 
 @dataclass
@@ -60,20 +70,21 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.block_size = cache.block_size
-        per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype, cache.kv_cache_dtype)
-        self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
+        # KV heads this process holds: all of the model's, or a tensor-parallel rank's.
+        self.num_kv_heads = getattr(model, "num_kv_heads", self.arch.num_kv_heads)
+        self.kv_cache_dtype = cache.kv_cache_dtype
+        self.num_blocks = num_kv_blocks(cache, self.arch, dtype, self.num_kv_heads)
         # One extra block past the pool: padding rows of a bucketed batch write their K/V there.
         self.scratch_slot = self.num_blocks * cache.block_size
-        shape = (self.arch.num_kv_heads, self.num_blocks + 1, cache.block_size, self.arch.head_dim)
-        cache_dtype = dtype
-        if cache.kv_cache_dtype == "int8":  # layout: worker/attention.py
-            shape, cache_dtype = shape[:3] + (self.arch.head_dim + INT8_ROW_EXTRA,), torch.uint8
-        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
-                           torch.zeros(shape, dtype=cache_dtype, device=device))
-                          for _ in range(self.arch.num_layers)]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.allocate_kv()
+        per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype, cache.kv_cache_dtype, self.num_kv_heads)
         logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", self.num_blocks, cache.block_size,
-                    "int8" if cache_dtype == torch.uint8 else str(dtype).removeprefix("torch."),
+                    "int8" if cache.kv_cache_dtype == "int8" else str(dtype).removeprefix("torch."),
                     self.num_blocks * per_block / 2**30)
+        # Tensor parallelism: rank 0's handle on the other ranks (distributed/tensor_parallel.py),
+        # which each step's inputs are sent to; None in one process and on the other ranks.
+        self.tp = None
         # Decode attention kernel (and argmax): the backend plan's C++ kernels, else torch's path.
         self.decode_kernel = kernels if device.type == "cpu" else None
         generator = torch.Generator(device=device)
@@ -83,7 +94,32 @@ class ModelRunner:
         self.vocab_size = self.arch.vocab_size
         self.timings = RunnerTimings()
         # structured_outputs rows: their token masks, filled while the forward pass runs.
-        self.masks = MaskFiller(grammar_mask_width or (self.vocab_size + 31) // 32)
+        self.set_grammar_mask_width(grammar_mask_width)
+
+    def set_grammar_mask_width(self, width: int | None) -> None:
+        """32-bit words per row of a grammar's token mask (the tokenizer's vocabulary)."""
+        self.masks = MaskFiller(width or (self.vocab_size + 31) // 32)
+
+    # -- the KV cache ---------------------------------------------------------
+    def allocate_kv(self) -> None:
+        """K and V tensors for every layer (zeros); a no-op if they exist."""
+        if self.kv_caches is not None:
+            return
+        shape = (self.num_kv_heads, self.num_blocks + 1, self.block_size, self.arch.head_dim)
+        cache_dtype = self.dtype
+        if self.kv_cache_dtype == "int8":  # layout: worker/attention.py
+            shape, cache_dtype = shape[:3] + (self.arch.head_dim + INT8_ROW_EXTRA,), torch.uint8
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=cache_dtype, device=self.device))
+                          for _ in range(self.arch.num_layers)]
+
+    def free_kv(self) -> int:
+        """Drop the KV tensors (their memory goes back to the system); returns their bytes."""
+        if self.kv_caches is None:
+            return 0
+        freed = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+        self.kv_caches = None
+        return freed
 
     # -- inputs ---------------------------------------------------------------
     def _prepare(self, plan: StepPlan):
@@ -227,6 +263,8 @@ class ModelRunner:
         # The constrained rows' masks are computed on a thread while the model runs.
         masks = self.masks.start([row_entries[i].grammar for i in grammar_rows]) if grammar_rows else None
         t1 = time.perf_counter()
+        if self.tp is not None:  # the other ranks build the same batch and run their shards beside this one
+            self.tp.send(("forward", step_inputs(plan)))
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         finally:
@@ -283,6 +321,13 @@ class ModelRunner:
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
         return StepResult(sampled, prompt_logprobs, accepted)
+
+    @torch.inference_mode()
+    def forward_only(self, plan: StepPlan) -> None:
+        """A tensor-parallel rank other than 0: this step's forward pass over its shard (its
+        all-reduces meet rank 0's); logits and sampling are rank 0's."""
+        input_ids, positions, meta, _ = self._prepare(plan)
+        self.model(input_ids, positions, meta, self.kv_caches)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
         """Logprobs of prompt tokens for the entries that ask for them: the LM head over
