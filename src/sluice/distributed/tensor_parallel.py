@@ -1,7 +1,7 @@
 """Tensor-parallel ranks as processes on torch.distributed: the engine's process is rank 0.
 
 Rank 0 runs the scheduler, the sampler and its own shard of the model; ranks 1..N-1 are
-processes it starts (torch.multiprocessing, spawn), each holding its shard of the model
+processes it starts, each holding its shard of the model
 (distributed/parallel.py) and the KV cache of its KV heads. Every step rank 0 broadcasts
 what the step computes (the tokens, positions and block tables of each scheduled request);
 each rank builds the same flat batch from it and runs the same forward pass, and the
@@ -57,7 +57,7 @@ class TPGroup:
         store = dist.TCPStore(self.host, self.port, self.size, self.rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("sluice-tp", store), self.rank, self.size, IDLE_TIMEOUT)
-        self._store = store  # rank 0's store must outlive the rendezvous
+        self.store = store  # rank 0 hosts it for the group's life; ranks report readiness in it
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum over the ranks, in place."""
@@ -94,6 +94,21 @@ class TPGroup:
         return [(n, self.broadcast(torch.empty(shape, dtype=dtype))) for n, dtype, shape in meta]
 
 
+def share_weights(group: TPGroup, weights=None):
+    """A checkpoint read once: rank 0 iterates `weights` and sends each tensor as it goes;
+    the other ranks iterate what they receive (each then keeps its shard). One read and
+    one dequantization (GGUF's is slow) instead of one per rank."""
+    if group.rank == 0:
+        for name, t in weights:
+            group.broadcast_object((name, t.dtype, tuple(t.shape)))
+            yield name, group.broadcast(t.contiguous())
+        group.broadcast_object(None)
+        return
+    while (meta := group.broadcast_object()) is not None:
+        name, dtype, shape = meta
+        yield name, group.broadcast(torch.empty(shape, dtype=dtype))
+
+
 def step_inputs(plan) -> list[tuple]:
     """What the other ranks need of a step plan to build its flat batch (runner._prepare):
     per scheduled request its tokens, first position, blocks, whether logits are due and
@@ -109,81 +124,122 @@ def plan_from_inputs(inputs: list[tuple]):
 
 
 class TensorParallel:
-    """Rank 0's handle on the other ranks: starts them, sends them each step and command."""
+    """Rank 0's handle on the other ranks: starts them, sends them each step and command.
+
+    The ranks are fresh Python processes (`python -m
+    sluice.distributed.tp_rank`), given the engine's config on stdin, so that
+    nothing of the caller's own script runs again in them (multiprocessing's spawn would
+    re-import it). Each reports in the group's store when its shard is loaded."""
 
     def __init__(self, size: int):
         self.size = size
         # Rank 0's end of the group; the model's row-parallel layers hold it from the start.
         self.group = TPGroup("127.0.0.1", free_port(), 0, size)
-        self.procs = []
+        self.procs: list = []
         self.closed = False
 
     def start(self, config) -> None:
         """Start ranks 1..N-1 with the engine's config (its cache's num_blocks set) and join
         the group with them; they then load their shards (wait_ready)."""
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self._ready = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker_main, args=(rank, self.size, self.group.port, config, self._ready),
-                                  name=f"sluice-tp{rank}", daemon=True) for rank in range(1, self.size)]
-        for p in self.procs:
-            p.start()
+        import atexit
+        import subprocess
+        import sys
+        import threading
+        atexit.register(self.close)
+        blob = pickle.dumps(config)
+        for rank in range(1, self.size):
+            proc = subprocess.Popen([sys.executable, "-m", "sluice.distributed.tp_rank", str(rank),
+                                     str(self.size), str(self.group.port)], stdin=subprocess.PIPE)
+            proc.stdin.write(blob)
+            proc.stdin.close()
+            self.procs.append(proc)
         torch.set_num_threads(threads_per_rank(self.size))
-        self.group.connect()
+        # Joining blocks until every rank has joined: watch them meanwhile, so that one that
+        # fails before it joins is reported rather than waited for.
+        joined: list[BaseException | None] = []
+        t = threading.Thread(target=lambda: joined.append(_call(self.group.connect)), daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.1)
+            if not t.is_alive():
+                break
+            self.check_alive()
+        if joined[0] is not None:
+            raise RuntimeError(f"tensor-parallel ranks could not form a group: {joined[0]}")
 
     def wait_ready(self) -> None:
         """Wait for every other rank to have loaded its shard and allocated its cache;
         re-raise the first one's failure as a RuntimeError."""
-        import queue
-        for _ in self.procs:
-            try:
-                status, rank, message = self._ready.get(timeout=START_TIMEOUT_S)
-            except queue.Empty:
-                raise RuntimeError(f"tensor-parallel ranks did not start within {START_TIMEOUT_S:.0f} s") from None
+        import time
+        store = self.group.store
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank in range(1, self.size):
+            key = f"ready{rank}"
+            while not store.check([key]):
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+            status = store.get(key).decode()
             if status != "ok":
-                self.close()
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message}")
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {status}")
 
     def send(self, command: tuple) -> None:
         self.group.broadcast_object(command)
 
+    def dead(self) -> list[str]:
+        """The ranks whose process has exited, as 'rank (exit status)'."""
+        return [f"{i + 1} (exit status {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
+
     def check_alive(self) -> None:
-        dead = [p.name for p in self.procs if not p.is_alive()]
+        dead = self.dead()
         if dead:
-            raise RuntimeError(f"tensor-parallel rank process(es) {', '.join(dead)} died")
+            raise RuntimeError(f"tensor-parallel rank(s) {', '.join(dead)} exited")
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if self.group.pg is not None and all(p.poll() is None for p in self.procs):
                 self.send(("stop",))
         except Exception:  # a dead rank: the broadcast fails; terminate below
             pass
         for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.terminate()
+            try:
+                p.wait(5)
+            except Exception:
+                p.kill()
 
 
-def _worker_main(rank: int, size: int, port: int, config, ready) -> None:
+def _call(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # reported by the caller
+        return e
+    return None
+
+
+def _worker_main(rank: int, size: int, port: int, config) -> None:
     """A rank other than 0: load its shard, then run the commands rank 0 broadcasts."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
     torch.set_num_threads(threads_per_rank(size))
     group = TPGroup("127.0.0.1", port, rank, size)
+    group.connect()
     try:
-        group.connect()
         from sluice.engine.llm_engine import build_shard
         shard = build_shard(config, group)
     except Exception as e:  # reported to rank 0, which raises it
-        logger.exception("rank %d failed to start", rank)
-        ready.put(("error", rank, f"{type(e).__name__}: {e}"))
+        logger.exception("tensor-parallel rank %d failed to start", rank)
+        group.store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
         return
-    ready.put(("ok", rank, ""))
+    group.store.set(f"ready{rank}", "ok")
     runner = shard.runner
     while True:
-        command = group.broadcast_object()
+        try:
+            command = group.broadcast_object()
+        except RuntimeError:  # rank 0 is gone (its connections closed): so is the engine
+            logger.warning("tensor-parallel rank %d: rank 0 went away; exiting", rank)
+            return
         kind = command[0]
         if kind == "forward":
             runner.forward_only(plan_from_inputs(command[1]))
@@ -195,3 +251,4 @@ def _worker_main(rank: int, size: int, port: int, config, ready) -> None:
             runner.allocate_kv()
         elif kind == "stop":
             return
+

@@ -9,6 +9,8 @@ streams as soon as the step completes.
 Failures never leave a stream hanging or the server answering 503 for good:
 - a step that raises ends its own requests with an error (LLMEngine.step) and the loop
   goes on;
+- a step that cannot run at all (EngineFatalError: a tensor-parallel rank is gone) ends
+  every request in flight and the engine is declared dead at once;
 - if the loop itself dies (a failure outside a step), every request in flight ends with
   RequestFailedError at once and the engine is reset (its queues and cache rebuilt, the
   model kept: milliseconds); after MAX_RESETS deaths within RESET_WINDOW_S, or if the
@@ -26,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from sluice.engine.llm_engine import LLMEngine
+from sluice.engine.llm_engine import EngineFatalError, LLMEngine
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -229,6 +231,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.engine is not None:
+            self.engine.shutdown()  # the other tensor-parallel ranks, if any
 
     def _send(self, command) -> None:
         self._commands.put(command)
@@ -249,6 +253,11 @@ class AsyncEngine:
             try:
                 self._loop()
                 break
+            except EngineFatalError as e:  # nothing can run (a tensor-parallel rank is gone)
+                logger.error("%s", e)
+                self._end_streams(RequestFailedError(f"{e} (details in the server log)"))
+                self._die(e)
+                return
             except Exception as e:  # a bug outside a step: end what is in flight, reset, go on
                 now = time.monotonic()
                 deaths.append(now)

@@ -25,7 +25,7 @@ from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
 from sluice.models.loader import iter_weights, load_hf_config, resolve_model
 from sluice.distributed.parallel import SINGLE, TPShard, check_tp_size, split
-from sluice.distributed.tensor_parallel import TensorParallel
+from sluice.distributed.tensor_parallel import TensorParallel, share_weights
 from sluice.models.registry import build_model, model_arch
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
@@ -111,7 +111,9 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     arch = model.arch
     if config.cache.kv_cache_dtype == "int8" and arch.head_dim % 4:
         raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
-    model.load_weights(iter_weights(src, backend.dtype))
+    # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
+    weights = iter_weights(src, backend.dtype) if rank == 0 else None
+    model.load_weights(share_weights(group, weights) if group is not None else weights)
     model.eval()
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     prepare_model(model, backend, mc.quantization, max_model_len, with_head=rank == 0)
@@ -128,6 +130,10 @@ class EngineAsleepError(RuntimeError):
 
 class EngineBusyError(RuntimeError):
     """An operation that needs an idle engine found requests in flight."""
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot run any more step (a tensor-parallel rank is gone)."""
 
 
 class LLMEngine:
@@ -432,6 +438,10 @@ class LLMEngine:
             update = self.scheduler.update(plan, result)
             outputs = self.outputs.process(update)
         except Exception as e:
+            if self.tp is not None and self.tp.dead():
+                # Without a rank no step can run: say so, rather than fail every step after.
+                raise EngineFatalError(f"tensor-parallel rank(s) {', '.join(self.tp.dead())} exited; the engine "
+                                       f"cannot run without them") from e
             # One failed step must not stop the engine: its requests end with an error and
             # the rest (waiting, or not in this step) go on. Nothing they computed this step
             # was counted, so none of its blocks stay named in the prefix cache.

@@ -1,0 +1,96 @@
+"""Tensor parallelism on torch.distributed (issue 22): 2 ranks as real processes over gloo.
+
+In float32 a tensor-parallel engine's greedy tokens are a one-process engine's, on the tiny
+checkpoints (even head split; q/k/v biases and a tied head) and on the default model
+(its 3 KV heads split 2 + 1), through chunked prefill, preemption and prefix hits; weight
+updates and sleep reach every rank; a rank that dies ends the engine with a clear error."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sluice import LLM, SamplingParams
+from sluice.engine.llm_engine import EngineFatalError
+from tests.conftest import assert_all_blocks_free
+from tests.model.test_weight_updates import new_checkpoint
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+           "List three colours: red,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tp_llama(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2, num_blocks=12,
+              max_num_batched_tokens=16)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_two_ranks_give_one_process_tokens_through_chunks_preemption_and_prefix_hits(tp_llama, tiny_checkpoint):
+    one = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=12, max_num_batched_tokens=16)
+    # 16-token steps chunk every prompt; 12 blocks of 16 cannot hold 6 requests of ~50
+    # tokens, so some are preempted and recomputed; the repeated prompts hit the cache.
+    prompts = PROMPTS + PROMPTS[:2]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert tokens(tp_llama, prompts, params) == tokens(one, prompts, params)
+    assert tp_llama.engine.scheduler.num_preemptions > 0
+    assert tp_llama.engine.kv.num_cached_blocks > 0
+    assert "tp=2" in tp_llama.engine.backend.line()
+    assert_all_blocks_free(tp_llama)
+
+
+def test_weight_updates_and_sleep_reach_every_rank(tp_llama, tiny_checkpoint, tmp_path):
+    new = new_checkpoint(tiny_checkpoint("llama"), tmp_path / "new", seed=5)
+    tp_llama.update_weights(new, weight_version="w1")
+    assert tokens(tp_llama) == tokens(LLM(model=str(tmp_path / "new"), dtype="float32", num_blocks=24))
+    tp_llama.sleep()
+    tp_llama.wake_up()
+    tp_llama.load_weights(str(tiny_checkpoint("llama")))  # back, for the other tests
+    assert tokens(tp_llama) == tokens(LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=24))
+
+
+def test_biases_and_a_tied_head(tiny_checkpoint):
+    path = str(tiny_checkpoint("qwen2"))
+    tp = LLM(model=path, dtype="float32", tensor_parallel_size=2, num_blocks=64)
+    try:
+        assert tokens(tp) == tokens(LLM(model=path, dtype="float32", num_blocks=64))
+    finally:
+        tp.engine.shutdown()
+
+
+def test_default_model_with_its_uneven_head_split(smollm2_llm):
+    """SmolLM2's 3 KV heads (9 query heads) over 2 ranks: 2 + 1."""
+    tp = LLM(dtype="float32", tensor_parallel_size=2, kv_cache_memory=0.05)
+    try:
+        assert [a.self_attn.num_kv_heads for a in tp.engine.shard.model.model.layers[:1]] == [2]
+        assert tokens(tp) == tokens(smollm2_llm)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_bad_sizes_are_refused_before_any_rank_starts(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 exceeds this model's 2 KV heads"):
+        LLM(model=path, dtype="float32", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(model=path, dtype="float32", tensor_parallel_size=0)
+
+
+def test_a_rank_that_dies_ends_the_engine_with_a_clear_error(tiny_checkpoint):
+    tp = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2, num_blocks=32)
+    try:
+        assert tokens(tp, PROMPTS[:1])
+        tp.engine.tp.procs[0].kill()
+        tp.engine.tp.procs[0].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(EngineFatalError, match="rank\\(s\\) 1 .*exited"):
+            tokens(tp, PROMPTS[:1])
+        assert time.monotonic() - t0 < 10
+    finally:
+        tp.engine.shutdown()
