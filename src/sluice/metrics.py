@@ -96,6 +96,13 @@ class Metrics:
                                registry=r)
         self.spec_rate = Gauge("sluice_spec_decode_acceptance_rate", "Accepted / drafted since start", labels,
                                registry=r)
+        self.weight_updates = Counter("sluice_weight_updates", "Weight updates applied (POST /v1/weights/update)",
+                                      labels, registry=r)
+        self.weight_version = Gauge("sluice_weight_version_info", "The weights the engine runs: 1 for the current "
+                                    "weight_version", labels + ["version"], registry=r)
+        self.asleep = Gauge("sluice_engine_asleep", "1 while the KV cache is freed (POST /sleep)", labels, registry=r)
+        self._weights_seen: tuple = ()
+        self.set_weights("0", 0, False)
         self._spec_seen: dict = {}
         self._grammar_seen = (0, 0.0, 0.0, 0, 0.0)
         for c in (self.grammar_rows, self.grammar_fill, self.grammar_wait, self.grammar_compiles,
@@ -159,8 +166,23 @@ class Metrics:
             self._grammar_seen = now
         if sched.spec is not None:
             self._observe_spec(sched.spec.stats)
+        self.set_weights(engine.weight_version, engine.num_weight_updates, engine.asleep)
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
+
+    def set_weights(self, version: str, updates: int, asleep: bool) -> None:
+        """The engine's weight version, update count and sleep state (after each step, and
+        from the weight routes, which run between steps)."""
+        now = (version, updates, asleep)
+        if now == self._weights_seen:
+            return
+        m = self.model_name
+        seen_updates = self._weights_seen[1] if self._weights_seen else 0
+        self.weight_updates.labels(m).inc(_delta(updates, seen_updates))
+        self.weight_version.clear()  # one series: the current version's
+        self.weight_version.labels(m, version).set(1)
+        self.asleep.labels(m).set(1 if asleep else 0)
+        self._weights_seen = now
 
     def _observe_spec(self, st) -> None:
         m, seen = self.model_name, self._spec_seen

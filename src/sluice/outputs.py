@@ -43,6 +43,8 @@ class RequestOutput:
     # Set when the request was ended by a failure inside the engine (finish_reason "error").
     error: str | None = None
     tenant: str = ""             # who it was served for (LLMEngine.add_request)
+    # The engine's weight version (LLMEngine.update_weights) when this output was made.
+    weight_version: str = "0"
 
     @property
     def num_prompt_tokens(self) -> int:

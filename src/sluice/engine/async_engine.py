@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from sluice.engine.llm_engine import EngineFatalError, LLMEngine
+from sluice.engine.llm_engine import EngineAsleepError, EngineFatalError, LLMEngine
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -154,6 +154,14 @@ class AsyncEngine:
         self._send(("reset", loop, done))
         return await done
 
+    async def call(self, fn):
+        """Run fn(engine) in the engine thread between two steps (a weight update, sleep):
+        its result, or what it raised."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("call", loop, done, fn))
+        return await done
+
     async def release_session(self, session_id: str, tenant: str | None) -> int | None:
         """Drop a session's pinned blocks, between two engine steps; how many, or None
         if the tenant has no such session."""
@@ -179,6 +187,8 @@ class AsyncEngine:
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError("the engine stopped; the server is restarting")
+            if self.engine.asleep:
+                raise EngineAsleepError("the engine is asleep (its KV cache is freed): POST /wake_up first")
             if self._draining:
                 raise ShuttingDownError("the server is shutting down")
             self._unqueued += params.n
@@ -370,6 +380,17 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_set_result, done, self.engine.release_session(session_id, tenant))
                 except ValueError as e:
                     loop.call_soon_threadsafe(_set_exception, done, e)
+            elif cmd[0] == "call":
+                _, loop, done, fn = cmd
+                if refuse is not None:
+                    loop.call_soon_threadsafe(_set_exception, done, refuse)
+                    continue
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # the caller's to report (a bad update, a busy engine)
+                    loop.call_soon_threadsafe(_set_exception, done, e)
+                else:
+                    loop.call_soon_threadsafe(_set_result, done, result)
             elif cmd[0] == "abort" and refuse is None:
                 rid = cmd[1]
                 if rid in self._streams:

@@ -124,6 +124,18 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
 
 
+def read_weights(path: str | Path, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint on disk, for update_weights: a .safetensors file, a
+    Hugging Face folder of them, or a .gguf file (all of a model's tensors, or any subset)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return list(load_file(str(p)).items())
+    if p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
+        return list(iter_weights(resolve_model(str(p)), dtype))
+    raise ValueError(f"weights are read from a .safetensors file, a folder of them or a .gguf file; got {str(p)!r}")
+
+
 class EngineAsleepError(RuntimeError):
     """The engine's KV cache is freed (sleep()); wake_up() restores it."""
 
@@ -359,18 +371,8 @@ class LLMEngine:
         return len(named)
 
     def load_weights(self, path: str | Path, weight_version: str | None = None) -> int:
-        """update_weights from a checkpoint on disk: a .safetensors file, a Hugging Face
-        folder of them, or a .gguf file (all of its tensors, or any subset)."""
-        p = Path(path).expanduser()
-        if p.is_file() and p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            weights = list(load_file(str(p)).items())
-        elif p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
-            src = resolve_model(str(p))
-            weights = list(iter_weights(src, self.dtype))
-        else:
-            raise ValueError(f"load_weights takes a .safetensors file, a folder of them or a .gguf file; got {str(p)!r}")
-        return self.update_weights(weights, weight_version)
+        """update_weights from a checkpoint on disk (read_weights)."""
+        return self.update_weights(read_weights(path, self.dtype), weight_version)
 
     def sleep(self) -> int:
         """Free the KV cache (its memory goes back to the system) until wake_up(), e.g.
@@ -446,6 +448,8 @@ class LLMEngine:
             # the rest (waiting, or not in this step) go on. Nothing they computed this step
             # was counted, so none of its blocks stay named in the prefix cache.
             return self._fail_step(plan, e)
+        for out in outputs:
+            out.weight_version = self.weight_version
         t3 = time.perf_counter()
         self.scheduler.observe_step(plan, t3 - t0)
         if spec is not None and spec.last_step:

@@ -80,6 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: the fewest last tokens that must match for a draft (default 2)")
     g.add_argument("--suffix-cache-tokens", type=int, default=16384,
                    help="suffix speculation: each tenant's recent output tokens kept for drafting (default 16384)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes (ranks) on torch.distributed (gloo on a CPU): "
+                        "attention by KV heads, the MLP by its intermediate size, one all-reduce per block; at most "
+                        "the model's KV heads (default 1)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
                         "whatever else shares its batch (docs/determinism.md)")
@@ -99,7 +103,7 @@ def engine_kwargs(args) -> dict:
                 grammar_compile_timeout_s=args.grammar_compile_timeout,
                 speculative_method=None if args.speculative_method == "off" else args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_gate=args.speculative_gate, speculative_min_match=args.speculative_min_match,
-                suffix_cache_tokens=args.suffix_cache_tokens,
+                suffix_cache_tokens=args.suffix_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
                 tenant_weights=parse_name_weights(args.tenant_weight, "--tenant-weight"))
 
 
@@ -204,7 +208,7 @@ def cmd_serve(args) -> int:
     kwargs["tenant_weights"] = {**{t.name: t.weight for t in tenants}, **kwargs["tenant_weights"]}
     config = ServerConfig(host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
                           tenants=tenants, limits=limits, max_request_bytes=args.max_request_bytes,
-                          shutdown_grace_s=args.shutdown_grace)
+                          shutdown_grace_s=args.shutdown_grace, enable_weight_updates=args.enable_weight_updates)
     return serve(kwargs, config, log_level="info" if args.log_level == "WARNING" else args.log_level)
 
 
@@ -233,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "blocks are freed (default 600; 0: no limit)")
     srv.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                      help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
+    srv.add_argument("--enable-weight-updates", action="store_true",
+                     help="turn on POST /v1/weights/update (from a checkpoint path or a trainer's torch.distributed "
+                          "group), /v1/weights/init_group, /sleep and /wake_up, for training loops; with --api-key "
+                          "they take that key only (default: off, 404)")
     srv.add_argument("--shutdown-grace", type=float, default=2.0,
                      help="on SIGTERM, seconds open requests get to finish before they end with an error (default 2)")
     add_engine_args(srv)

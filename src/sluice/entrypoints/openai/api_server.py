@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/sessions/{id},
-GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
+DELETE), DELETE /v1/sessions/{id}, GET /v1/models, /health, /version, /metrics; with
+--enable-weight-updates the weight and sleep routes of entrypoints/openai/weights.py. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
 stack trace or internal exception text ever reaches a client, and an unexpected error
 is a 500 on a connection that stays usable. A body over max_request_bytes is refused
 (413) before it is read. A client that leaves a non-streaming request aborts it, as a
@@ -26,12 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import sluice
 from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
                                         ShuttingDownError)
+from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                  ModelList)
 from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
+from sluice.entrypoints.openai.weights import add_weight_routes
 from sluice.metrics import Metrics
 from sluice.request import MAX_SESSION_ID_CHARS
 
@@ -170,6 +173,8 @@ class ServerConfig:
     max_request_bytes: int = 4 * 2**20
     # On SIGTERM, seconds open requests get to finish before they are ended with an error.
     shutdown_grace_s: float = 2.0
+    # POST /v1/weights/*, /sleep and /wake_up (entrypoints/openai/weights.py); off: 404.
+    enable_weight_updates: bool = False
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -205,7 +210,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         err = api_error(e)
         return error_json(err.status, err.message, code=err.code, headers=err.headers)
 
-    for kind in (EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError):
+    for kind in (EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError, EngineAsleepError):
         app.add_exception_handler(kind, _engine_error)
 
     # With keys, each key is a tenant with its own prefix-cache and session namespace, so
@@ -295,6 +300,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
             raise APIError(404, f"no session {session_id!r} for this tenant", param="session_id",
                            code="session_not_found")
         return {"id": session_id, "object": "session", "deleted": True, "released_blocks": released}
+
+    add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, bool(keys), metrics)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):

@@ -5,10 +5,10 @@ import re
 
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
-          431: "invalid_request_error", 504: "timeout",
-          500: "internal_server_error", 503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+          429: "rate_limit_exceeded", 431: "invalid_request_error", 504: "timeout",
+          500: "internal_server_error", 502: "bad_gateway", 503: "service_unavailable"}
 
 
 class APIError(Exception):

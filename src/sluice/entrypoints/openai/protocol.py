@@ -186,6 +186,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # sluice extension: the weights that computed it (a count of updates, or the
+    # weight_version a trainer gave its update: POST /v1/weights/update).
+    weight_version: str | None = None
 
 
 class TopLogprob(BaseModel):
@@ -224,6 +227,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    # sluice extension: the weights that computed it (a count of updates, or the
+    # weight_version a trainer gave its update: POST /v1/weights/update).
+    weight_version: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -246,6 +252,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # sluice extension: the weights that computed it (a count of updates, or the
+    # weight_version a trainer gave its update: POST /v1/weights/update).
+    weight_version: str | None = None
 
 
 class ModelCard(BaseModel):

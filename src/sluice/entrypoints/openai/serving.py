@@ -25,6 +25,7 @@ import jinja2
 
 from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
                                         ShuttingDownError)
+from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai import tool_calls
 from sluice.entrypoints.openai.errors import APIError, error_payload, from_value_error
 from sluice.entrypoints.openai.protocol import (
@@ -61,10 +62,12 @@ def api_error(e: BaseException) -> APIError | None:
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
     if isinstance(e, RequestTimeoutError):
         return APIError(504, str(e), code="timeout")
+    if isinstance(e, EngineAsleepError):
+        return APIError(503, str(e), code="engine_asleep", headers={"Retry-After": "5"})
     return None
 
 
-_ENGINE_ERRORS = (RequestFailedError, ShuttingDownError, EngineDeadError, RequestTimeoutError)
+_ENGINE_ERRORS = (RequestFailedError, ShuttingDownError, EngineDeadError, RequestTimeoutError, EngineAsleepError)
 
 
 def sse_error(e: APIError) -> str:
@@ -324,7 +327,8 @@ class OpenAIServing:
         prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
         return CompletionResponse(id=cid, model=self.model_name, choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens,
-                                              sum(f.num_cached_tokens for f in finals)))
+                                              sum(f.num_cached_tokens for f in finals)),
+                                  weight_version=finals[-1].weight_version)
 
     async def _completion_stream(self, cid: str, req: CompletionRequest, started: _Started, n: int):
         progress: dict[int, _Progress] = {}
@@ -364,7 +368,7 @@ class OpenAIServing:
                         completion_tokens += len(c.token_ids)
                     chunk = CompletionResponse(id=cid, model=self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason)])
+                        stop_reason=c.stop_reason)], weight_version=out.weight_version)
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
@@ -443,7 +447,7 @@ class OpenAIServing:
                       if req.prompt_logprobs is not None else None)
         return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices,
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
-                                      prompt_logprobs=prompt_lps)
+                                      prompt_logprobs=prompt_lps, weight_version=final.weight_version)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
                      tools: "ChatTools | None" = None) -> list[int]:
@@ -468,6 +472,10 @@ class OpenAIServing:
         completion_tokens = 0
         top_n = req.top_logprobs or 0
         cached = 0
+
+        def emit(out: RequestOutput, choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[choice],
+                                           weight_version=out.weight_version))
         try:
             async for _, out in _merge(started.streams):
                 if out is None:
@@ -480,8 +488,8 @@ class OpenAIServing:
                         continue
                     if not p.sent_role:
                         p.sent_role = True
-                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+                        yield emit(out, ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(role="assistant", content="")))
                     delta = c.text[p.text_len:]
                     new_tokens = c.token_ids[p.tokens:]
                     lp = None
@@ -493,25 +501,25 @@ class OpenAIServing:
                         parser = parsers.setdefault(c.index, tools.stream_parser())
                         delta, calls = parser.feed(delta, final=c.finished)
                     if delta or lp is not None:
-                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=delta), logprobs=lp)]))
+                        yield emit(out, ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=delta), logprobs=lp))
                     first = len(parsers[c.index].calls) - len(calls) if calls else 0
                     for k, call in enumerate(calls, start=first):  # k: the call's index in the reply
-                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                        yield emit(out, ChatStreamChoice(
                             index=c.index, delta=DeltaMessage(tool_calls=[
                                 {"index": k, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]))]))
-                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
+                                 "function": {"name": call.name, "arguments": ""}}])))
+                        yield emit(out, ChatStreamChoice(
                             index=c.index, delta=DeltaMessage(tool_calls=[
-                                {"index": k, "function": {"arguments": call.arguments}}]))]))
+                                {"index": k, "function": {"arguments": call.arguments}}])))
                     if c.finished:
                         p.done = True
                         completion_tokens += len(c.token_ids)
                         finish = c.finish_reason
                         if finish == "stop" and c.index in parsers and parsers[c.index].calls:
                             finish = "tool_calls"
-                        yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(), finish_reason=finish)]))
+                        yield emit(out, ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(), finish_reason=finish))
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = len(started.prompt_ids[0])
                 yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[],
