@@ -209,7 +209,18 @@ def cmd_serve(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
                           tenants=tenants, limits=limits, max_request_bytes=args.max_request_bytes,
                           shutdown_grace_s=args.shutdown_grace, enable_weight_updates=args.enable_weight_updates)
-    return serve(kwargs, config, log_level="info" if args.log_level == "WARNING" else args.log_level)
+    log_level = "info" if args.log_level == "WARNING" else args.log_level
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 or args.ray_address is not None:
+        from sluice.entrypoints.router.app import DataParallelConfig, serve_data_parallel
+        from sluice.entrypoints.router.policy import RouterPolicy
+        RouterPolicy(1, args.router_policy, args.router_cache_threshold)  # bad settings fail before Ray starts
+        dp = DataParallelConfig(size=args.data_parallel_size, ray_address=args.ray_address, policy=args.router_policy,
+                                replica_cpus=args.replica_cpus, cache_threshold=args.router_cache_threshold,
+                                balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel)
+        return serve_data_parallel(kwargs, config, dp, log_level)
+    return serve(kwargs, config, log_level=log_level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +254,26 @@ def build_parser() -> argparse.ArgumentParser:
                           "they take that key only (default: off, 404)")
     srv.add_argument("--shutdown-grace", type=float, default=2.0,
                      help="on SIGTERM, seconds open requests get to finish before they end with an error (default 2)")
+    dp = srv.add_argument_group("data parallel (replicas on Ray)")
+    dp.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engine replicas, each a Ray actor with the whole model, behind this one endpoint and a "
+                         "router (default 1: no Ray)")
+    dp.add_argument("--ray-address", default=None,
+                    help="join this Ray cluster (e.g. auto, or ray://host:10001), which is how replicas span "
+                         "machines; default: start a local one")
+    dp.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"],
+                    help="which replica a request goes to: cache_aware = the one whose past requests share the "
+                         "longest prefix with it (the least loaded when load is imbalanced); least_loaded; "
+                         "round_robin. Calls of a session always go to its replica (default cache_aware)")
+    dp.add_argument("--replica-cpus", type=int, default=None,
+                    help="Ray CPUs (and torch threads) per replica (default: this machine's cores / replicas)")
+    dp.add_argument("--router-cache-threshold", type=float, default=0.3,
+                    help="cache_aware: the share of a request's text a replica must have seen to win it (default 0.3)")
+    dp.add_argument("--router-balance-abs", type=int, default=64,
+                    help="cache_aware: route by load once the busiest replica has this many requests more than the "
+                         "idlest ... (default 64)")
+    dp.add_argument("--router-balance-rel", type=float, default=1.5,
+                    help="... and this many times as many (default 1.5)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -158,6 +158,14 @@ async def until_disconnected(request: Request, work):
     return None
 
 
+def api_keys(config: "ServerConfig") -> dict[bytes, tuple[str, str]]:
+    """Each key the server takes -> (its tenant, its prefix-cache namespace)."""
+    keys = {t.api_key.encode(): (t.name, key_salt(t.api_key)) for t in config.tenants if t.api_key}
+    if config.api_key:
+        keys[config.api_key.encode()] = ("", key_salt(config.api_key))
+    return keys
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -216,10 +224,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     # With keys, each key is a tenant with its own prefix-cache and session namespace, so
     # one tenant can never hit (or time) another's cached blocks or reach its sessions.
     # (--api-key alone: one tenant, the shared one.)
-    keys: dict[bytes, tuple[str, str]] = {t.api_key.encode(): (t.name, key_salt(t.api_key))
-                                          for t in config.tenants if t.api_key}
-    if config.api_key:
-        keys[config.api_key.encode()] = ("", key_salt(config.api_key))
+    keys = api_keys(config)
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(GuardMiddleware, max_bytes=config.max_request_bytes)
@@ -301,7 +306,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
                            code="session_not_found")
         return {"id": session_id, "object": "session", "deleted": True, "released_blocks": released}
 
-    add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, bool(keys), metrics)
+    add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, keys, metrics)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):

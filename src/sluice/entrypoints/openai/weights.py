@@ -60,8 +60,8 @@ class CloseGroupRequest(BaseModel):
     group_name: str
 
 
-def add_weight_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, admin_key: str | None, has_keys: bool,
-                      metrics=None) -> None:
+def add_weight_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, admin_key: str | None,
+                      keys: dict[bytes, tuple[str, str]], metrics=None) -> None:
     groups = WeightGroups()
 
     def admin(raw: Request) -> None:
@@ -70,17 +70,17 @@ def add_weight_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, admin_ke
         if not enabled:
             raise APIError(404, f"{raw.url.path} is off on this server: start it with --enable-weight-updates",
                            code="weight_updates_disabled")
-        if not has_keys:
+        if not keys:
             return
         header = raw.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if admin_key is None:
-            raise APIError(403, "weight and sleep routes need the server's --api-key, and this server has only "
-                                "tenants' keys", code="forbidden")
-        if not hmac.compare_digest(token.encode(), admin_key.encode()):
-            raise APIError(401 if not token else 403, "weight and sleep routes need the server's --api-key "
-                                                      "(a tenant's key cannot change the model)",
-                           code="invalid_api_key" if not token else "forbidden")
+        token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        if admin_key is not None and hmac.compare_digest(token, admin_key.encode()):
+            return
+        if not any(hmac.compare_digest(token, k) for k in keys):
+            raise APIError(401, "missing or invalid API key: weight and sleep routes need the server's --api-key",
+                           code="invalid_api_key")
+        raise APIError(403, "weight and sleep routes need the server's --api-key; a tenant's key cannot change "
+                            "the model for every tenant", code="forbidden")
 
     def observed(result):
         if metrics is not None:

@@ -1,0 +1,453 @@
+"""Data parallelism: one OpenAI endpoint over N engine replicas on Ray.
+
+`sluice serve --data-parallel-size N` starts a local Ray cluster (or joins one with
+--ray-address, which is how replicas span machines), N replicas as Ray actors, each a
+whole sluice server (replicas.py), and this router in front of them. The router
+forwards each request as it came (bytes in, bytes out; streams relayed chunk by chunk) to
+the replica its policy picks (policy.py), so every feature of one server works through
+it unchanged; it adds:
+
+- API keys checked at the door (and again by the replica, which gets the header);
+- a client that leaves closes the upstream connection, and the replica aborts the request;
+- a replica that dies: its requests in flight end with a 503 (an error event and [DONE]
+  on a stream), never a hang; it is out of rotation until Ray has restarted it;
+- /metrics: every replica's series with a `replica` label, and the router's own
+  (sluice_router_*: requests per replica and decision, in flight, replicas up, restarts);
+- the weight and sleep routes sent to every replica (a trainer's group: each replica joins
+  as a rank of its own, `rank_offset` + its place); DELETE /v1/sessions to every replica;
+  stored responses (`previous_response_id`, GET/DELETE /v1/responses/{id}) to the replica
+  that stored them.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import sluice
+from sluice.entrypoints.openai.api_server import (CLIENT_CLOSED, APIKeyMiddleware, GuardMiddleware, ServerConfig,
+                                                   api_keys, until_disconnected)
+from sluice.entrypoints.openai.errors import error_json, error_payload
+from sluice.entrypoints.router.policy import RouterPolicy
+from sluice.entrypoints.router.replicas import ReplicaSet
+
+logger = logging.getLogger(__name__)
+
+FORWARD_HEADERS = ("authorization", "content-type", "accept")
+RETURN_HEADERS = ("content-type", "retry-after", "cache-control")
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9a-f]+)"')
+
+
+@dataclass
+class DataParallelConfig:
+    size: int = 1
+    # None: start a local Ray cluster; else the address of one to join ("auto", "ray://...").
+    ray_address: str | None = None
+    policy: str = "cache_aware"
+    # Ray CPUs each replica asks for, and its torch threads (None: this machine's cores / size).
+    replica_cpus: int | None = None
+    cache_threshold: float = 0.3
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("sluice_router_requests", "Requests routed, by replica and decision (session, "
+                                "response, round_robin, least_loaded, balance, cache_hit, cache_miss)",
+                                ["replica", "decision"], registry=r)
+        self.inflight = Gauge("sluice_router_requests_in_flight", "Requests in flight per replica", ["replica"],
+                              registry=r)
+        self.up = Gauge("sluice_router_replica_up", "1 while a replica is in rotation", ["replica"], registry=r)
+        self.restarts = Gauge("sluice_router_replica_restarts", "Times a replica came back on a new address "
+                              "(restarted by Ray)", ["replica"], registry=r)
+
+
+def routing_text(path: str, data: dict) -> str:
+    """The text whose prefix a request shares with others: its prompt, or its messages or
+    input in order (a later turn of a conversation extends an earlier one's)."""
+    if path == "/v1/completions":
+        p = data.get("prompt")
+        if isinstance(p, list) and p:
+            p = p[0]
+        return p if isinstance(p, str) else ",".join(map(str, p)) if isinstance(p, list) else ""
+    parts = []
+    if path == "/v1/responses":
+        parts.append(str(data.get("instructions") or ""))
+        items = data.get("input")
+        items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    else:
+        items = data.get("messages")
+    for m in items if isinstance(items, list) else []:
+        if isinstance(m, dict):
+            content = m.get("content")
+            parts.append(f"{m.get('role', m.get('type', ''))}\x00"
+                         f"{content if isinstance(content, str) else json.dumps(content, sort_keys=True)}\x01")
+    return "".join(parts)
+
+
+def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerConfig) -> FastAPI:
+    metrics = RouterMetrics()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        monitor = asyncio.create_task(replicas.monitor(client))
+        try:
+            yield
+        finally:
+            monitor.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="sluice router", version=sluice.__version__, lifespan=lifespan)
+    keys = api_keys(config)
+    if keys:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
+    app.add_middleware(GuardMiddleware, max_bytes=config.max_request_bytes)
+    groups: dict[str, list[int]] = {}          # trainer group -> its replicas
+    last = {"update": None}                    # the last update's body, if a path one (replayable)
+    admin_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    async def on_restart(i: int) -> None:
+        """A restarted replica lost its cache, pins and updated weights: re-apply the last
+        update if it came from a path, else keep it out of rotation until the next one."""
+        policy.forget(i)
+        update = last["update"]
+        if update is None:
+            return
+        if "path" in update:
+            r = await client.post(f"{replicas.urls[i]}/v1/weights/update", json=update, headers=admin_headers)
+            replicas.stale[i] = r.status_code != 200
+        else:
+            replicas.stale[i] = True
+
+    replicas.on_restart = on_restart
+
+    def unavailable(replica: int, why: str) -> JSONResponse:
+        return error_json(503, f"replica {replica} became unavailable ({why}); the request was ended and the "
+                               f"replica is being restarted: retry", code="replica_unavailable",
+                          headers={"Retry-After": "2"})
+
+    def headers_of(raw: Request) -> dict:
+        return {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
+
+    async def forward(raw: Request, replica: int, body: bytes) -> Response:
+        url = f"{replicas.urls[replica]}{raw.url.path}" + (f"?{raw.url.query}" if raw.url.query else "")
+        policy.inflight[replica] += 1
+        metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                policy.inflight[replica] -= 1
+                metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
+        try:
+            resp = await client.send(client.build_request(raw.method, url, content=body, headers=headers_of(raw)),
+                                     stream=True)
+        except httpx.HTTPError as e:
+            release()
+            replicas.mark_down(replica, type(e).__name__)
+            return unavailable(replica, type(e).__name__)
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS}
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(relay(resp, replica, raw.url.path, release), status_code=resp.status_code,
+                                     headers={**headers, "X-Accel-Buffering": "no"})
+        try:
+            content = await until_disconnected(raw, resp.aread())
+        except httpx.HTTPError as e:
+            replicas.mark_down(replica, type(e).__name__)
+            return unavailable(replica, type(e).__name__)
+        finally:
+            await resp.aclose()
+            release()
+        if content is None:  # the client left; closing the connection aborted the request upstream
+            return Response(status_code=CLIENT_CLOSED)
+        if raw.url.path == "/v1/responses" and resp.status_code == 200:
+            m = _RESPONSE_ID.search(content)
+            if m:
+                policy.stored(m.group(1).decode(), replica)
+        return Response(content, status_code=resp.status_code, headers=headers)
+
+    async def relay(resp: httpx.Response, replica: int, path: str, release):
+        sniff = path == "/v1/responses"
+        try:
+            async for chunk in resp.aiter_raw():
+                if sniff and (m := _RESPONSE_ID.search(chunk)):
+                    policy.stored(m.group(1).decode(), replica)
+                    sniff = False
+                yield chunk
+        except httpx.HTTPError as e:
+            replicas.mark_down(replica, type(e).__name__)
+            body = error_payload(503, f"replica {replica} became unavailable ({type(e).__name__}); the request was "
+                                      f"ended and the replica is being restarted: retry")
+            body["error"]["code"] = "replica_unavailable"
+            yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await resp.aclose()
+            release()
+
+    def no_replica() -> JSONResponse:
+        return error_json(503, "no replica is up (they are starting or restarting); retry", code="no_replica",
+                          headers={"Retry-After": "2"})
+
+    def session_of(raw: Request, data: dict):
+        sid = data.get("session_id")
+        if not isinstance(sid, str):
+            return None
+        tenant = raw.scope.get("state", {}).get("tenant")
+        return (tenant if tenant is not None else str(data.get("user") or ""), sid)
+
+    async def generate(raw: Request):
+        body = await raw.body()
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        data = data if isinstance(data, dict) else {}
+        healthy = replicas.healthy()
+        if not healthy:
+            return no_replica()
+        prev = data.get("previous_response_id")
+        replica, why = policy.pick(healthy, routing_text(raw.url.path, data), session_of(raw, data),
+                                   prev if isinstance(prev, str) else None)
+        metrics.requests.labels(str(replica), why).inc()
+        return await forward(raw, replica, body)
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        app.add_api_route(path, generate, methods=["POST"])
+
+    async def call(i: int, method: str, path: str, raw: Request | None = None, body=None, **kw):
+        """One replica's answer as (status, JSON body); a connection failure is a 503."""
+        headers = headers_of(raw) if raw is not None else admin_headers
+        try:
+            r = await client.request(method, f"{replicas.urls[i]}{path}", json=body, headers=headers, **kw)
+        except httpx.HTTPError as e:
+            replicas.mark_down(i, type(e).__name__)
+            return 503, error_payload(503, f"replica {i} became unavailable ({type(e).__name__})")
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, {"error": {"message": r.text}}
+
+    async def fan_out(raw: Request, method: str, path: str, bodies: dict[int, dict | None], **kw):
+        """Every replica in `bodies` at once; 200 with their answers by replica when all
+        agree to it, else the first failure's status with every replica's answer."""
+        if not bodies:
+            return no_replica()
+        results = await asyncio.gather(*[call(i, method, path, raw, b, **kw) for i, b in bodies.items()])
+        answers = {str(i): body for i, (_, body) in zip(bodies, results)}
+        failed = [(i, status) for i, (status, _) in zip(bodies, results) if status != 200]
+        if failed:
+            i, status = failed[0]
+            message = (f"replica(s) {', '.join(str(j) for j, _ in failed)} refused or failed; the first: "
+                       f"{answers[str(i)].get('error', {}).get('message', answers[str(i)])}")
+            return JSONResponse({"error": {"message": message, "type": "replica_error", "param": None,
+                                           "code": "replica_error"}, "replicas": answers}, status_code=status)
+        return {"replicas": answers}
+
+    def up() -> list[int]:
+        return [i for i in range(replicas.n) if replicas.up[i]]
+
+    # -- every replica -----------------------------------------------------------
+    @app.get("/v1/weights")
+    async def weights(raw: Request):
+        result = await fan_out(raw, "GET", "/v1/weights", {i: None for i in up()})
+        if not isinstance(result, dict):
+            return result
+        answers = result["replicas"]
+        versions = {a["weight_version"] for a in answers.values()}
+        return {"weight_version": versions.pop() if len(versions) == 1 else None, "ranks": len(answers),
+                "asleep": any(a["asleep"] for a in answers.values()),
+                "enabled": all(a["enabled"] for a in answers.values()), "replicas": answers}
+
+    @app.post("/v1/weights/init_group")
+    async def init_group(raw: Request):
+        body = await raw.json()
+        members = up()
+        if not isinstance(body, dict) or not isinstance(body.get("rank_offset", 1), int):
+            return error_json(400, "body must be a JSON object with an integer rank_offset")
+        offset = body.get("rank_offset", 1)
+        result = await fan_out(raw, "POST", "/v1/weights/init_group",
+                               {i: {**body, "rank_offset": offset + j} for j, i in enumerate(members)})
+        if isinstance(result, dict):
+            groups[str(body.get("group_name"))] = members
+        return result
+
+    @app.post("/v1/weights/update")
+    async def update(raw: Request):
+        body = await raw.json()
+        if not isinstance(body, dict):
+            return error_json(400, "body must be a JSON object")
+        members = groups.get(str(body.get("group_name"))) if body.get("group_name") is not None else up()
+        if members is None:
+            return error_json(404, f"no open group {body.get('group_name')!r}: POST /v1/weights/init_group first",
+                              param="group_name", code="group_not_found")
+        result = await fan_out(raw, "POST", "/v1/weights/update", {i: body for i in members})
+        if isinstance(result, dict):
+            last["update"] = body if body.get("path") is not None else {"group_name": body.get("group_name")}
+            for i in members:
+                replicas.stale[i] = False
+            versions = {a["weight_version"] for a in result["replicas"].values()}
+            result["weight_version"] = versions.pop() if len(versions) == 1 else None
+        return result
+
+    @app.post("/v1/weights/close_group")
+    async def close_group(raw: Request):
+        body = await raw.json()
+        members = groups.pop(str(body.get("group_name") if isinstance(body, dict) else None), None)
+        if members is None:
+            return error_json(404, "no open group of that name", param="group_name", code="group_not_found")
+        return await fan_out(raw, "POST", "/v1/weights/close_group", {i: body for i in members if replicas.up[i]})
+
+    for path in ("/sleep", "/wake_up", "/reset_prefix_cache"):
+        async def everywhere(raw: Request, path=path):
+            return await fan_out(raw, "POST", path, {i: None for i in up()})
+        app.add_api_route(path, everywhere, methods=["POST"])
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(raw: Request):
+        result = await fan_out(raw, "GET", "/is_sleeping", {i: None for i in up()})
+        if not isinstance(result, dict):
+            return result
+        return {"is_sleeping": any(a["is_sleeping"] for a in result["replicas"].values()), **result}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, raw: Request):
+        answers = await asyncio.gather(*[call(i, "DELETE", f"/v1/sessions/{session_id}", raw,
+                                              params=dict(raw.query_params)) for i in up()])
+        found = [body for status, body in answers if status == 200]
+        if found:
+            return {**found[0], "released_blocks": sum(b.get("released_blocks", 0) for b in found)}
+        status, body = answers[0] if answers else (503, error_payload(503, "no replica is up"))
+        return JSONResponse(body, status_code=status)
+
+    async def stored_response(raw: Request, response_id: str, method: str):
+        """The replica that stored a response first, then the others until one has it."""
+        first = policy.responses.get(response_id)
+        order = sorted(up(), key=lambda i: i != first)
+        status, body = 404, error_payload(404, f"no stored response {response_id!r}")
+        for i in order:
+            status, body = await call(i, method, f"/v1/responses/{response_id}", raw, params=dict(raw.query_params))
+            if status != 404:
+                break
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request):
+        return await stored_response(raw, response_id, "GET")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request):
+        return await stored_response(raw, response_id, "DELETE")
+
+    # -- any replica -------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        healthy = replicas.healthy()
+        if not healthy:
+            return no_replica()
+        status, body = await call(healthy[0], "GET", "/v1/models", raw)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health")
+    async def health():
+        if not replicas.healthy():
+            return no_replica()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": sluice.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        for i in range(replicas.n):
+            metrics.up.labels(str(i)).set(1 if i in replicas.healthy() else 0)
+            metrics.restarts.labels(str(i)).set(replicas.restarts[i])
+        texts = await asyncio.gather(*[_get_text(client, f"{replicas.urls[i]}/metrics") for i in up()])
+        merged = merge_metrics(dict(zip(up(), texts)))
+        return Response(merged + generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.state.replicas, app.state.policy, app.state.metrics = replicas, policy, metrics
+    return app
+
+
+async def _get_text(client: httpx.AsyncClient, url: str) -> str | None:
+    try:
+        r = await client.get(url, timeout=5.0)
+        return r.text if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+class _Families:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def merge_metrics(texts: dict[int, str | None]) -> bytes:
+    """Prometheus texts of the replicas as one, each sample labelled with its replica."""
+    merged = {}
+    for i, text in texts.items():
+        if not text:
+            continue
+        for fam in text_string_to_metric_families(text):
+            into = merged.get(fam.name)
+            if into is None:
+                into = merged[fam.name] = type(fam)(fam.name, fam.documentation, fam.type, fam.unit)
+            into.samples.extend(s._replace(labels={**s.labels, "replica": str(i)}) for s in fam.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)
+
+
+def serve_data_parallel(engine_kwargs: dict, config: ServerConfig, dp: DataParallelConfig,
+                        log_level: str = "info") -> int:
+    """Start (or join) Ray, the replicas and the router; serve until SIGINT/SIGTERM."""
+    import ray
+    import uvicorn
+
+    from sluice.config import EngineConfig
+    from sluice.entrypoints.openai.api_server import _server_class
+    EngineConfig.from_kwargs(**engine_kwargs)  # a bad setting fails here, not in N actors
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request and health check
+    cpus = dp.replica_cpus or max(1, (os.cpu_count() or 1) // dp.size)
+    policy = RouterPolicy(dp.size, dp.policy, dp.cache_threshold, dp.balance_abs, dp.balance_rel)
+    if dp.ray_address is None:
+        ray.init(num_cpus=cpus * dp.size, include_dashboard=False, logging_level=logging.WARNING,
+                 object_store_memory=128 * 2**20)
+    else:
+        ray.init(address=dp.ray_address, logging_level=logging.WARNING)
+    replicas = None
+    try:
+        replicas = ReplicaSet(ray, dp.size, engine_kwargs, dataclasses.replace(config, port=0), cpus, cpus)
+        asyncio.run(replicas.start())
+        app = build_router_app(replicas, policy, config)
+        logger.warning("sluice serving %s on http://%s:%d: %d replicas on Ray, %s routing",
+                       config.served_model_name, config.host, config.port, dp.size, dp.policy)
+        server = _server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
+                                                timeout_graceful_shutdown=config.shutdown_grace_s + 3))
+        server.run()
+    finally:
+        if replicas is not None:
+            replicas.shutdown()
+        ray.shutdown()
+    return 0
