@@ -1,13 +1,14 @@
 """Tokenizer, chat template and incremental detokenizer.
 
 The tokenizer comes from transformers (a folder's tokenizer files, or the vocabulary in a
-GGUF's metadata); the chat template is rendered by transformers in a jinja2 sandbox.
+GGUF's metadata, converted once and cached: models/loader.gguf_converted); the chat
+template is rendered by transformers in a jinja2 sandbox.
 """
 from __future__ import annotations
 
 import json
 
-from sluice.models.loader import ModelSource, read_gguf_chat_template
+from sluice.models.loader import ModelSource, gguf_converted, read_gguf_chat_template
 
 
 class Tokenizer:
@@ -18,7 +19,10 @@ class Tokenizer:
     @classmethod
     def load(cls, src: ModelSource, hf_config) -> "Tokenizer":
         from transformers import AutoTokenizer
-        if src.is_gguf:
+        converted = gguf_converted(src) if src.is_gguf else None
+        if converted is not None:
+            tok = AutoTokenizer.from_pretrained(str(converted))
+        elif src.is_gguf:
             tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
             if not getattr(tok, "chat_template", None):
                 tok.chat_template = read_gguf_chat_template(src.path)

@@ -63,8 +63,56 @@ def resolve_model(model: str) -> ModelSource:
 def load_hf_config(src: ModelSource):
     from transformers import AutoConfig
     if src.is_gguf:
+        converted = gguf_converted(src)
+        if converted is not None:
+            return AutoConfig.from_pretrained(str(converted))
         return AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
     return AutoConfig.from_pretrained(str(src.path))
+
+
+# Bump when what gguf_converted writes changes.
+_CONVERTED_FORMAT = 1
+
+
+def gguf_converted(src: ModelSource) -> Path | None:
+    """A folder with the config.json and tokenizer files transformers makes of a GGUF's
+    metadata (chat template included), converted on first use and kept under
+    ~/.cache/sluice/gguf, by the file's path, size and modification time and transformers'
+    version. The conversion parses the whole vocabulary, twice: ~13 s of a 20 s load of
+    SmolLM2, in every process that loads it. None if the cache cannot be written (then the
+    callers convert from the GGUF themselves)."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
+    st = src.path.stat()
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|"
+                         f"{_CONVERTED_FORMAT}".encode()).hexdigest()[:16]
+    root = Path.home() / ".cache" / "sluice" / "gguf"
+    folder = root / f"{src.path.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    except OSError:
+        return None
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+        AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name).save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
+        if not getattr(tok, "chat_template", None):
+            tok.chat_template = read_gguf_chat_template(src.path)
+        tok.save_pretrained(tmp)
+        os.rename(tmp, folder)  # atomic; another process's finished copy wins a race
+    except OSError:
+        if not (folder / "config.json").is_file():
+            return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def iter_weights(src: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -122,20 +170,109 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+@dataclass
+class GGUFTensor:
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]   # outermost first (numpy's order; GGUF lists them innermost first)
+    offset: int              # of its data in the file
+
+
+# GGUF value types -> struct formats of the scalar ones (STRING is 8, ARRAY 9).
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf(path: Path) -> tuple[dict, list[GGUFTensor], np.memmap]:
+    """A GGUF file's scalar and string metadata, its tensors and its bytes (memory-mapped).
+    Arrays in the metadata (the vocabulary) are skipped, which makes this ~50x faster than
+    gguf's GGUFReader, whose per-item parsing of them was most of a model load."""
+    import struct
+    data = np.memmap(str(path), dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or later)")
+    offs = 24
+
+    def string() -> str:
+        nonlocal offs
+        (n,) = struct.unpack_from("<Q", buf, offs)
+        offs += 8 + n
+        return bytes(buf[offs - n:offs]).decode("utf-8")
+
+    def skip(vtype: int) -> None:
+        nonlocal offs
+        if vtype == _GGUF_STRING:
+            (n,) = struct.unpack_from("<Q", buf, offs)
+            offs += 8 + n
+        elif vtype == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", buf, offs)
+            offs += 12
+            if item in _GGUF_SCALARS:
+                offs += count * struct.calcsize(_GGUF_SCALARS[item])
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            offs += struct.calcsize(_GGUF_SCALARS[vtype])
+
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", buf, offs)
+        offs += 4
+        if vtype == _GGUF_STRING:
+            meta[key] = string()
+        elif vtype in _GGUF_SCALARS:
+            (meta[key],) = struct.unpack_from(_GGUF_SCALARS[vtype], buf, offs)
+            offs += struct.calcsize(_GGUF_SCALARS[vtype])
+        else:
+            skip(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, offs)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, offs + 4)
+        ggml_type, rel = struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims)
+        offs += 4 + 8 * n_dims + 12
+        infos.append((name, ggml_type, tuple(int(d) for d in reversed(dims)), rel))
+    align = int(meta.get("general.alignment", 32))
+    start = offs + (-offs) % align
+    return meta, [GGUFTensor(n, t, shape, start + rel) for n, t, shape, rel in infos], data
+
+
+def _gguf_array(data: np.memmap, t: GGUFTensor) -> np.ndarray:
+    """A tensor's values as stored: a typed view for float types, its bytes (in the shape
+    gguf's dequantize takes) for quantized ones."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+    qtype = GGMLQuantizationType(t.ggml_type)
+    n = int(np.prod(t.shape))
+    typed = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+             GGMLQuantizationType.F64: np.float64}
+    if qtype in typed:
+        item = np.dtype(typed[qtype]).itemsize
+        return data[t.offset:t.offset + n * item].view(typed[qtype]).reshape(t.shape)
+    block, size = GGML_QUANT_SIZES[qtype]
+    return data[t.offset:t.offset + n * size // block].reshape(quant_shape_to_byte_shape(t.shape, qtype))
+
+
 def _iter_gguf(path: Path, dtype: torch.dtype):
-    from gguf import GGUFReader
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
-    reader = GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
+    meta, tensors, data = read_gguf(path)
+    arch = meta["general.architecture"]
     # llama.cpp permutes Q/K only for the llama architecture; Qwen GGUFs keep HF's order.
     permute = arch == "llama"
-    n_head = reader.fields[f"{arch}.attention.head_count"].contents()
-    n_kv = reader.fields[f"{arch}.attention.head_count_kv"].contents()
-    for t in reader.tensors:
+    n_head = meta[f"{arch}.attention.head_count"]
+    n_kv = meta[f"{arch}.attention.head_count_kv"]
+    for t in tensors:
         name = gguf_to_hf_name(t.name)
-        # GGUF lists dims innermost first; numpy wants them outermost first.
-        shape = tuple(int(d) for d in reversed(t.shape))
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = dequantize(_gguf_array(data, t), GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
         if permute and name.endswith("q_proj.weight"):
             w = unpermute_qk(w, n_head)
         elif permute and name.endswith("k_proj.weight"):
@@ -144,7 +281,4 @@ def _iter_gguf(path: Path, dtype: torch.dtype):
 
 
 def read_gguf_chat_template(path: Path) -> str | None:
-    from gguf import GGUFReader
-    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
-    return field.contents() if field is not None else None
-
+    return read_gguf(path)[0].get("tokenizer.chat_template")
