@@ -94,3 +94,29 @@ def test_a_rank_that_dies_ends_the_engine_with_a_clear_error(tiny_checkpoint):
         assert time.monotonic() - t0 < 10
     finally:
         tp.engine.shutdown()
+
+
+@pytest.mark.requires("kernels")
+def test_quantized_ranks_after_an_update_compute_a_fresh_loads_bits(tiny_checkpoint, tmp_path):
+    """w8a8 on 2 ranks (the row-parallel layers' int8 scales are their whole rows', as one
+    process's are): an update gives what a fresh 2-rank load of the new weights gives."""
+    src = tiny_checkpoint("llama-4layers")
+    new = new_checkpoint(src, tmp_path / "new", seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def outputs(llm):
+        return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs])
+                for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    opts = dict(dtype="bfloat16", quantization="w8a8", tensor_parallel_size=2, num_blocks=64)
+    updated = LLM(model=str(src), **opts)
+    try:
+        updated.update_weights(new)
+        got = outputs(updated)
+    finally:
+        updated.engine.shutdown()
+    fresh = LLM(model=str(tmp_path / "new"), **opts)
+    try:
+        assert got == outputs(fresh)
+    finally:
+        fresh.engine.shutdown()

@@ -103,10 +103,15 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: w ~= q * scale, |q| <= 127."""
+def quantize_per_channel(weight: torch.Tensor, reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: w ~= q * scale, |q| <= 127. reduce: a row-parallel
+    layer's tensor-parallel group, whose ranks each hold a slice of every row: the scale is
+    the whole row's (its largest value over the ranks), as one process would compute it."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    amax = w.abs().amax(dim=1)
+    if reduce is not None:
+        reduce.all_reduce(amax, op="max")
+    scale = (amax / 127.0).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -120,7 +125,7 @@ def quantize_rows(module: Linear, start: int = 0, rows: int | None = None) -> No
     weight would."""
     rows = module.weight.shape[0] - start if rows is None else rows
     w = module.weight.narrow(0, start, rows)
-    q, scale = quantize_per_channel(w)
+    q, scale = quantize_per_channel(w, module.reduce)
     w.copy_((q.float() * scale[:, None]).to(w.dtype))
     if getattr(module, "int8_scale", None) is None:
         module.int8_scale = torch.empty(module.weight.shape[0], dtype=torch.float32)

@@ -59,10 +59,10 @@ class TPGroup:
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("sluice-tp", store), self.rank, self.size, IDLE_TIMEOUT)
         self.store = store  # rank 0 hosts it for the group's life; ranks report readiness in it
 
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum over the ranks, in place."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        """Sum (or max) over the ranks, in place."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         self.pg.allreduce([t], opts).wait()
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:

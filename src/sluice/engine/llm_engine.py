@@ -359,10 +359,10 @@ class LLMEngine:
             raise ValueError("weight_version must be a non-empty string")
         t0 = time.perf_counter()
         self.scheduler.preempt_all()
-        self.shard.apply_weights(named)
-        if self.tp is not None:
+        if self.tp is not None:  # first: applying them meets the other ranks (quantization's scales)
             self.tp.send(("update",))
             self.tp.group.broadcast_tensors(named)
+        self.shard.apply_weights(named)
         self.reset_prefix_cache()
         self.num_weight_updates += 1
         self.weight_version = weight_version or str(self.num_weight_updates)

@@ -34,11 +34,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sluice
 from sluice.entrypoints.openai.api_server import (CLIENT_CLOSED, APIKeyMiddleware, GuardMiddleware, ServerConfig,
                                                    api_keys, until_disconnected)
-from sluice.entrypoints.openai.errors import error_json, error_payload
+from sluice.entrypoints.openai.errors import APIError, error_json, error_payload
 from sluice.entrypoints.router.policy import RouterPolicy
 from sluice.entrypoints.router.replicas import ReplicaSet
 
@@ -60,6 +61,22 @@ class DataParallelConfig:
     cache_threshold: float = 0.3
     balance_abs: int = 64
     balance_rel: float = 1.5
+
+
+class _Relay(StreamingResponse):
+    """A relayed stream whose upstream is closed however the response ends: a client gone
+    before the first chunk never starts the body's generator, so its own `finally` would
+    not run."""
+
+    def __init__(self, body, close, **kw):
+        super().__init__(body, media_type="text/event-stream", **kw)
+        self.close = close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.close()
 
 
 class RouterMetrics:
@@ -148,42 +165,47 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         url = f"{replicas.urls[replica]}{raw.url.path}" + (f"?{raw.url.query}" if raw.url.query else "")
         policy.inflight[replica] += 1
         metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
-        released = False
+        upstream: httpx.Response | None = None
+        done = False
 
-        def release():
-            nonlocal released
-            if not released:
-                released = True
-                policy.inflight[replica] -= 1
-                metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
+        async def close() -> None:
+            """Close the upstream response (a replica sees the client leave) and stop
+            counting the request; once, whichever path gets here first."""
+            nonlocal done
+            if done:
+                return
+            done = True
+            policy.inflight[replica] -= 1
+            metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
+            if upstream is not None:
+                await upstream.aclose()
         try:
-            resp = await client.send(client.build_request(raw.method, url, content=body, headers=headers_of(raw)),
-                                     stream=True)
+            upstream = await client.send(client.build_request(raw.method, url, content=body, headers=headers_of(raw)),
+                                         stream=True)
         except httpx.HTTPError as e:
-            release()
+            await close()
             replicas.mark_down(replica, type(e).__name__)
             return unavailable(replica, type(e).__name__)
-        headers = {k: v for k, v in resp.headers.items() if k.lower() in RETURN_HEADERS}
-        if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(relay(resp, replica, raw.url.path, release), status_code=resp.status_code,
-                                     headers={**headers, "X-Accel-Buffering": "no"})
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() in RETURN_HEADERS}
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return _Relay(relay(upstream, replica, raw.url.path, close), close, status_code=upstream.status_code,
+                          headers={**headers, "X-Accel-Buffering": "no"})
         try:
-            content = await until_disconnected(raw, resp.aread())
+            content = await until_disconnected(raw, upstream.aread())
         except httpx.HTTPError as e:
             replicas.mark_down(replica, type(e).__name__)
             return unavailable(replica, type(e).__name__)
         finally:
-            await resp.aclose()
-            release()
+            await close()
         if content is None:  # the client left; closing the connection aborted the request upstream
             return Response(status_code=CLIENT_CLOSED)
-        if raw.url.path == "/v1/responses" and resp.status_code == 200:
+        if raw.url.path == "/v1/responses" and upstream.status_code == 200:
             m = _RESPONSE_ID.search(content)
             if m:
                 policy.stored(m.group(1).decode(), replica)
-        return Response(content, status_code=resp.status_code, headers=headers)
+        return Response(content, status_code=upstream.status_code, headers=headers)
 
-    async def relay(resp: httpx.Response, replica: int, path: str, release):
+    async def relay(resp: httpx.Response, replica: int, path: str, close):
         sniff = path == "/v1/responses"
         try:
             async for chunk in resp.aiter_raw():
@@ -198,8 +220,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
             body["error"]["code"] = "replica_unavailable"
             yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            await resp.aclose()
-            release()
+            await close()
 
     def no_replica() -> JSONResponse:
         return error_json(503, "no replica is up (they are starting or restarting); retry", code="no_replica",
@@ -263,6 +284,25 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     def up() -> list[int]:
         return [i for i in range(replicas.n) if replicas.up[i]]
 
+    async def json_body(raw: Request) -> dict:
+        try:
+            body = await raw.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        return body
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_json(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return error_json(404, f"route {request.method} {request.url.path} not found")
+        return error_json(e.status_code, str(e.detail))
+
     # -- every replica -----------------------------------------------------------
     @app.get("/v1/weights")
     async def weights(raw: Request):
@@ -277,10 +317,10 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
 
     @app.post("/v1/weights/init_group")
     async def init_group(raw: Request):
-        body = await raw.json()
+        body = await json_body(raw)
         members = up()
-        if not isinstance(body, dict) or not isinstance(body.get("rank_offset", 1), int):
-            return error_json(400, "body must be a JSON object with an integer rank_offset")
+        if not isinstance(body.get("rank_offset", 1), int):
+            return error_json(400, "rank_offset must be an integer", param="rank_offset")
         offset = body.get("rank_offset", 1)
         result = await fan_out(raw, "POST", "/v1/weights/init_group",
                                {i: {**body, "rank_offset": offset + j} for j, i in enumerate(members)})
@@ -290,9 +330,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
 
     @app.post("/v1/weights/update")
     async def update(raw: Request):
-        body = await raw.json()
-        if not isinstance(body, dict):
-            return error_json(400, "body must be a JSON object")
+        body = await json_body(raw)
         members = groups.get(str(body.get("group_name"))) if body.get("group_name") is not None else up()
         if members is None:
             return error_json(404, f"no open group {body.get('group_name')!r}: POST /v1/weights/init_group first",
@@ -308,8 +346,8 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
 
     @app.post("/v1/weights/close_group")
     async def close_group(raw: Request):
-        body = await raw.json()
-        members = groups.pop(str(body.get("group_name") if isinstance(body, dict) else None), None)
+        body = await json_body(raw)
+        members = groups.pop(str(body.get("group_name")), None)
         if members is None:
             return error_json(404, "no open group of that name", param="group_name", code="group_not_found")
         return await fan_out(raw, "POST", "/v1/weights/close_group", {i: body for i in members if replicas.up[i]})
