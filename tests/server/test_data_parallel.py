@@ -239,3 +239,36 @@ def test_a_killed_replica_ends_its_requests_with_503_and_comes_back(dp):
     versions = httpx.get(f"{router.url}/v1/weights", headers=KEY).json()
     assert versions["weight_version"] == "v9", versions
     assert metric_value(router.url, "sluice_router_replica_restarts", f'replica="{victim}"') == 1
+
+
+def test_sluice_serve_with_two_replicas_as_a_process(tiny_checkpoint):
+    """The command a user runs: its own local Ray cluster, 2 replicas, the router; SIGTERM
+    stops it all and exits 0."""
+    import subprocess
+    import sys
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model",
+                             str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "64",
+                             "--data-parallel-size", "2", "--port", str(port), "--served-model-name", MODEL],
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the data-parallel server did not come up"
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert 'sluice_router_replica_up{replica="1"} 1.0' in httpx.get(f"{url}/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

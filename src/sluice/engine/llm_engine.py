@@ -169,8 +169,9 @@ class LLMEngine:
             config = dataclasses.replace(config, cache=cache)
             self.config = config
             self.tp = TensorParallel(size)
-            self.tp.start(config)
         try:
+            if self.tp is not None:
+                self.tp.start(config)
             shard = build_shard(config, self.tp.group if self.tp else None)
             if self.tp is not None:
                 self.tp.wait_ready()

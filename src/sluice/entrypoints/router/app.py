@@ -469,8 +469,8 @@ def serve_data_parallel(engine_kwargs: dict, config: ServerConfig, dp: DataParal
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request and health check
     cpus = dp.replica_cpus or max(1, (os.cpu_count() or 1) // dp.size)
     policy = RouterPolicy(dp.size, dp.policy, dp.cache_threshold, dp.balance_abs, dp.balance_rel)
-    if dp.ray_address is None:
-        ray.init(num_cpus=cpus * dp.size, include_dashboard=False, logging_level=logging.WARNING,
+    if dp.ray_address is None:  # a cluster of our own, even if another runs on this machine
+        ray.init(address="local", num_cpus=cpus * dp.size, include_dashboard=False, logging_level=logging.WARNING,
                  object_store_memory=128 * 2**20)
     else:
         ray.init(address=dp.ray_address, logging_level=logging.WARNING)
