@@ -16,6 +16,7 @@ import torch
 from sluice.backends.linear_methods import (Int8Weight, PackedWeight, int8_weight, kernel_weight, prepack_weight,
                                             quantize_per_channel, quantize_rows)
 from sluice.backends.ops import KernelOps
+from sluice.config import QUANTIZATIONS
 from sluice.models.linear import Linear
 
 # Tokens per row that the greedy fast path rescores exactly (GreedyHead).
@@ -44,9 +45,6 @@ class GreedyHead:
         if grammar is not None:
             self.kernels.apply_token_bitmask(approx, grammar[1], grammar[0])
         return self.kernels.greedy_head(approx, hidden, self.packed, GREEDY_CANDIDATES)
-
-
-QUANTIZATIONS = (None, "int8", "w8a8")
 
 
 def _linears(model):

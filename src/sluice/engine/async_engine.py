@@ -149,14 +149,11 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> int:
         """Forget cached prefix blocks, between two engine steps; returns how many."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        self._send(("reset", loop, done))
-        return await done
+        return await self.call(lambda e: e.reset_prefix_cache())
 
     async def call(self, fn):
-        """Run fn(engine) in the engine thread between two steps (a weight update, sleep):
-        its result, or what it raised."""
+        """Run fn(engine) in the engine thread between two steps (a weight update, sleep, a
+        cache reset): its result, or what it raised."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         self._send(("call", loop, done, fn))
@@ -165,10 +162,7 @@ class AsyncEngine:
     async def release_session(self, session_id: str, tenant: str | None) -> int | None:
         """Drop a session's pinned blocks, between two engine steps; how many, or None
         if the tenant has no such session."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        self._send(("release", loop, done, session_id, tenant))
-        return await done
+        return await self.call(lambda e: e.release_session(session_id, tenant))
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str | None = None, deadline: float | None = None,
@@ -344,7 +338,7 @@ class AsyncEngine:
             self.on_dead(error)
 
     def _drain_commands(self, refuse: BaseException | None = None) -> None:
-        """Run the queued commands; with `refuse`, fail every add and reset with it instead
+        """Run the queued commands; with `refuse`, fail every add and call with it instead
         (the engine is stopping), so that no caller waits forever."""
         while True:
             try:
@@ -365,21 +359,6 @@ class AsyncEngine:
                         self._unqueued -= params.n
                 self._streams[rid] = stream
                 stream.loop.call_soon_threadsafe(_set_result, added, ids)
-            elif cmd[0] == "reset":
-                _, loop, done = cmd
-                if refuse is not None:
-                    loop.call_soon_threadsafe(_set_exception, done, refuse)
-                else:
-                    loop.call_soon_threadsafe(_set_result, done, self.engine.reset_prefix_cache())
-            elif cmd[0] == "release":
-                _, loop, done, session_id, tenant = cmd
-                if refuse is not None:
-                    loop.call_soon_threadsafe(_set_exception, done, refuse)
-                    continue
-                try:
-                    loop.call_soon_threadsafe(_set_result, done, self.engine.release_session(session_id, tenant))
-                except ValueError as e:
-                    loop.call_soon_threadsafe(_set_exception, done, e)
             elif cmd[0] == "call":
                 _, loop, done, fn = cmd
                 if refuse is not None:
