@@ -138,7 +138,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     last = {"update": None}                    # the last update's body, if a path one (replayable)
     admin_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
-    async def on_restart(i: int) -> None:
+    async def on_restart(i: int, url: str) -> None:
         """A restarted replica lost its cache, pins and updated weights: re-apply the last
         update if it came from a path, else keep it out of rotation until the next one."""
         policy.forget(i)
@@ -146,7 +146,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         if update is None:
             return
         if "path" in update:
-            r = await client.post(f"{replicas.urls[i]}/v1/weights/update", json=update, headers=admin_headers)
+            r = await client.post(f"{url}/v1/weights/update", json=update, headers=admin_headers)
             replicas.stale[i] = r.status_code != 200
         else:
             replicas.stale[i] = True

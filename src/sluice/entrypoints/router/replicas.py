@@ -92,7 +92,7 @@ class ReplicaSet:
         self.up = [False] * n
         self.stale = [False] * n    # back from a restart with weights it cannot be given
         self.restarts = [0] * n
-        self.on_restart = None      # (replica) -> awaitable: the router's re-sync of a restarted replica
+        self.on_restart = None      # (replica, url) -> awaitable: the router's re-sync of a restarted one
 
     async def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait for every replica to load its model and serve; raise what a replica's
@@ -131,10 +131,10 @@ class ReplicaSet:
         if not await _healthy(client, url):
             return
         restarted = url != self.urls[i]
+        if restarted and self.on_restart is not None:
+            await self.on_restart(i, url)  # if it raises, the next check tries again
         self.restarts[i] += restarted
         self.urls[i] = url
-        if restarted and self.on_restart is not None:
-            await self.on_restart(i)
         self.up[i] = True
         logger.warning("replica %d is back at %s%s", i, url, " (stale weights: out of rotation)" if self.stale[i] else "")
 
