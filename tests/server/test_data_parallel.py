@@ -6,7 +6,8 @@ keys; metrics of both replicas with a replica label; a shared prefix stays on on
 replica (cache_aware); a session's calls stay on theirs; a client that leaves aborts its
 request upstream; weight updates reach both replicas; a replica whose process is killed
 ends its requests in flight with a 503 (never a hang), the router stops sending to it,
-and Ray brings it back with the last weights."""
+and Ray brings it back with the last weights (or, when they came from a trainer's group,
+out of rotation until the trainer's next group updates it)."""
 from __future__ import annotations
 
 import asyncio
@@ -239,6 +240,52 @@ def test_a_killed_replica_ends_its_requests_with_503_and_comes_back(dp):
     versions = httpx.get(f"{router.url}/v1/weights", headers=KEY).json()
     assert versions["weight_version"] == "v9", versions
     assert metric_value(router.url, "sluice_router_replica_restarts", f'replica="{victim}"') == 1
+
+
+def test_a_replica_restarted_after_a_group_update_waits_out_of_rotation_for_the_next(dp, tmp_path):
+    """Weights broadcast by a trainer cannot be replayed to a restarted replica: it stays out
+    of rotation (serving its checkpoint's weights to nobody) until the trainer's next group,
+    which includes it, gives it the new weights."""
+    from safetensors.torch import load_file
+
+    from sluice.distributed.weight_sync import WeightSender
+    router, replicas, _, path = dp
+    new_checkpoint(path, tmp_path / "new", seed=23)
+    tensors = load_file(str(tmp_path / "new" / "model.safetensors"))
+    sender = WeightSender(router.url, group_name="rl-a", api_key="sekret", timeout_s=60)
+    try:
+        sender.update(tensors, weight_version="step-5")
+    finally:
+        sender.close()
+    victim = 0
+    restarts = replicas.restarts[victim]
+    os.kill(asyncio.run(replicas.pid(victim)), signal.SIGKILL)
+    deadline = time.time() + 120
+    while replicas.restarts[victim] == restarts or not replicas.up[victim]:
+        assert time.time() < deadline, "the killed replica did not come back"
+        time.sleep(0.5)
+    assert replicas.stale[victim] and replicas.healthy() == [1]
+    assert f'sluice_router_replica_up{{replica="{victim}"}} 0.0' in httpx.get(f"{router.url}/metrics").text
+    answer = httpx.get(f"{router.url}/v1/weights", headers=KEY).json()
+    assert answer["weight_version"] is None  # the replicas disagree, and say so
+    assert answer["replicas"][str(victim)]["weight_version"] != "step-5"
+    before = decisions(router.url)
+    for i in range(3):
+        assert complete(router.url, f"call {i} while one replica is stale", n=2)["weight_version"] == "step-5"
+    new = {k: v - before.get(k, 0) for k, v in decisions(router.url).items() if v != before.get(k, 0)}
+    assert {k[0] for k in new} == {"1"}, new
+    # The trainer's next group spans both replicas again, and the update puts it back.
+    sender = WeightSender(router.url, group_name="rl-b", api_key="sekret", timeout_s=60)
+    try:
+        assert sender.group.world_size == 3
+        sender.update(tensors, weight_version="step-6")
+    finally:
+        sender.close()
+    assert not replicas.stale[victim] and replicas.healthy() == [0, 1]
+    want = LLM(model=str(tmp_path / "new"), dtype="float32", num_blocks=64).generate(
+        DOC, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    out = complete(replicas.urls[victim], DOC, n=6)
+    assert out["choices"][0]["text"] == want and out["weight_version"] == "step-6"
 
 
 def test_sluice_serve_with_two_replicas_as_a_process(tiny_checkpoint):
