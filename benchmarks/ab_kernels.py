@@ -9,7 +9,7 @@ separate runs minutes apart do not.
         '{"quantization": "w8a8", "kv_cache_dtype": "int8"}'
 
 The swap covers the decoder stack (every layer) and the greedy LM head; the base build
-is compiled from the revision's kernel sources under another module name (~1.5 minutes
+is compiled from the revision's kernel sources under another module name (~35 s
 the first time). Both builds must pack weights the same way.
 """
 from __future__ import annotations

@@ -4,8 +4,7 @@
 // step, the other core idle); this one vectorises each row and splits rows across
 // threads. Same answer as torch.argmax: the first index of the maximum, and a NaN counts
 // as the maximum (the first NaN wins).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -84,18 +83,18 @@ void top_k(const float* x, int64_t n, int k, int32_t* idx) {
 // vdpbf16ps chain over k pairs from 0 upward, so the same bits), and the best of those
 // (the lowest index on a tie, as torch.argmax). The answer is the full bf16 head's argmax
 // whenever that token is among the k, i.e. unless int8 rounding moved it below k others.
-torch::Tensor greedy_head(torch::Tensor approx, torch::Tensor x, torch::Tensor packed, int64_t k) {
-  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32, "approx logits must be [M, V] float32");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.size(0) == approx.size(0),
+at::Tensor greedy_head(at::Tensor approx, at::Tensor x, at::Tensor packed, int64_t k) {
+  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == at::kFloat, "approx logits must be [M, V] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) == approx.size(0),
               "x must be [M, K] bfloat16, one row per logits row");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
               packed.size(3) == 2, "packed must come from bi_pack_weight (bf16)");
   TORCH_CHECK(k >= 1 && k <= 16, "k must be 1..16");
   approx = approx.contiguous();
   x = x.contiguous();
   const int64_t M = approx.size(0), V = approx.size(1), K = x.size(1), KP = packed.size(1);
   TORCH_CHECK(packed.size(0) * 16 >= V && KP == (K + 1) / 2, "packed weight does not match [V, K]");
-  auto out = torch::empty({M}, approx.options().dtype(torch::kInt64));
+  auto out = at::empty({M}, approx.options().dtype(at::kLong));
   const float* ap = approx.data_ptr<float>();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int32_t* wp = reinterpret_cast<const int32_t*>(packed.data_ptr<at::BFloat16>());  // one pair per int32
@@ -152,12 +151,12 @@ torch::Tensor greedy_head(torch::Tensor approx, torch::Tensor x, torch::Tensor p
   return out;
 }
 
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits must be [B, V] float32");
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits must be [B, V] float32");
   logits = logits.contiguous();
   const int64_t B = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0, "empty vocabulary");
-  auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -170,12 +169,12 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // bitmask row r is 0 (llguidance's layout: bit j of word i is token 32 i + j; tokens past
 // the mask are disallowed too). torch's masked_fill over a [32, 49152] batch took ~4 ms
 // here (branchy on a mixed mask); this touches only the words that are not all ones.
-void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits must be a contiguous [B, V] float32 tensor");
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(),
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
               "bitmask must be a contiguous [R, W] int32 tensor");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0),
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
               "rows must be [R] int64, one logits row per bitmask row");
   const int64_t B = logits.size(0), V = logits.size(1), R = bitmask.size(0), W = bitmask.size(1);
   const int64_t* rp = rows.data_ptr<int64_t>();
@@ -201,12 +200,4 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
       for (int64_t t = 32 * W; t < V; ++t) x[t] = ninf;
     }
   });
-}
-
-void register_argmax(pybind11::module& m) {
-  m.def("apply_token_bitmask", &apply_token_bitmask,
-        "structured outputs: logits[rows[r]] = -inf where bitmask[r] has a 0 bit, in place");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for [B, V] float32, rows over threads");
-  m.def("greedy_head", &greedy_head, "argmax of the bf16 LM head from int8 logits: the top k rescored exactly",
-        pybind11::arg("approx"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("k") = 16);
 }

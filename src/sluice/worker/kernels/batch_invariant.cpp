@@ -15,8 +15,7 @@
 //   code (masked for the tail of a row, never a scalar path that rounds differently).
 // - attention: see paged_attention.cpp; every token, prefill or decode, goes through
 //   the same per-token routine there.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <cmath>
 #include <cstdint>
@@ -56,9 +55,9 @@ inline __m256i f32_to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v);
 // step. kPer = 2 for bf16 and int8 (the pair layout vdpbf16ps reads), 1 for float32. N is
 // padded to a multiple of 16 (and K to a whole step) with zeros.
 template <typename T, int kPer>
-torch::Tensor pack(const torch::Tensor& w) {
+at::Tensor pack(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), NB = (N + kLanes - 1) / kLanes, KS = (K + kPer - 1) / kPer;
-  auto out = torch::zeros({NB, KS, kLanes, kPer}, w.options());
+  auto out = at::zeros({NB, KS, kLanes, kPer}, w.options());
   const T* src = reinterpret_cast<const T*>(w.data_ptr());
   T* dst = reinterpret_cast<T*>(out.data_ptr());
   for (int64_t n = 0; n < N; ++n)
@@ -67,17 +66,17 @@ torch::Tensor pack(const torch::Tensor& w) {
   return out;
 }
 
-torch::Tensor pack_weight(torch::Tensor w) {
+at::Tensor pack_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
   w = w.contiguous();
-  if (w.scalar_type() == torch::kBFloat16) return pack<uint16_t, 2>(w);
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "pack_weight supports float32 and bfloat16");
+  if (w.scalar_type() == at::kBFloat16) return pack<uint16_t, 2>(w);
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "pack_weight supports float32 and bfloat16");
   return pack<float, 1>(w).squeeze(-1);
 }
 
 // int8 weights (weight-only quantization), in the bf16 pair layout.
-torch::Tensor pack_weight_int8(torch::Tensor q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "int8 weight must be [N, K] int8");
+at::Tensor pack_weight_int8(at::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8 weight must be [N, K] int8");
   return pack<int8_t, 2>(q.contiguous());
 }
 
@@ -264,26 +263,26 @@ void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N,
   });
 }
 
-torch::Tensor float_or_empty(const c10::optional<torch::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->to(torch::kFloat32).contiguous() : torch::Tensor();
+at::Tensor float_or_empty(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->to(at::kFloat).contiguous() : at::Tensor();
 }
 
 // x: [M, K]; packed from pack_weight; N: output features. Returns [M, N] in x's dtype,
 // or float32 when out_float32 (the LM head: logits stay in float32 for the sampler).
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                     bool out_float32) {
+at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                  bool out_float32) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat32, "linear supports float32 and bfloat16");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "linear supports float32 and bfloat16");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == (bf16 ? (K + 1) / 2 : K),
               "packed weight does not match [N, K]");
   const auto bias_f = float_or_empty(bias);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const bool out_f32 = out_float32 || !bf16;
-  auto out = torch::empty({M, N}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
+  auto out = at::empty({M, N}, x.options().dtype(out_f32 ? at::kFloat : x.scalar_type()));
   if (M == 0) return out;
   if (bf16) {
     const PairWeights<uint16_t> w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), (K + 1) / 2};
@@ -297,19 +296,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 }
 
 // x: [M, K] bf16; packed from pack_weight_int8; scale: [N] per output column.
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
-                          c10::optional<torch::Tensor> bias, bool out_float32) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "packed int8 weight expected");
+at::Tensor linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "packed int8 weight expected");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == (K + 1) / 2,
               "packed weight does not match [N, K]");
-  auto scale_f = scale.to(torch::kFloat32).contiguous();
+  auto scale_f = scale.to(at::kFloat).contiguous();
   TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
   const auto bias_f = float_or_empty(bias);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
+  auto out = at::empty({M, N}, x.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   const PairWeights<int8_t> w{packed.data_ptr<int8_t>(), (K + 1) / 2};
   gemm(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, scale_f.data_ptr<float>(), bp,
@@ -376,38 +375,38 @@ void rms_norm_impl(const T* x, const T* residual, T* sum, const T* w, T* y, int6
   });
 }
 
-void rms_norm_dispatch(const torch::Tensor& x, const torch::Tensor* residual, torch::Tensor* sum,
-                       const torch::Tensor& weight, torch::Tensor& y, double eps) {
+void rms_norm_dispatch(const at::Tensor& x, const at::Tensor* residual, at::Tensor* sum,
+                       const at::Tensor& weight, at::Tensor& y, double eps) {
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(weight.numel() == n, "weight size != last dim");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     rms_norm_impl<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
                          sum ? sum->data_ptr<float>() : nullptr, weight.data_ptr<float>(), y.data_ptr<float>(),
                          rows, n, eps);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm supports float32 and bfloat16");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm supports float32 and bfloat16");
     using B = at::BFloat16;
     rms_norm_impl<B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, sum ? sum->data_ptr<B>() : nullptr,
                      weight.data_ptr<B>(), y.data_ptr<B>(), rows, n, eps);
   }
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   x = x.contiguous();
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   rms_norm_dispatch(x, nullptr, nullptr, weight.contiguous(), y, eps);
   return y;
 }
 
 // (rms_norm(x + residual), x + residual).
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                                                double eps) {
   x = x.contiguous();
   residual = residual.contiguous();
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
-  auto y = torch::empty_like(x);
-  auto sum = torch::empty_like(x);
+  auto y = at::empty_like(x);
+  auto sum = at::empty_like(x);
   rms_norm_dispatch(x, &residual, &sum, weight.contiguous(), y, eps);
   return {y, sum};
 }
@@ -431,17 +430,17 @@ void silu_and_mul_impl(const T* gu, T* y, int64_t rows, int64_t inter) {
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   gate_up = gate_up.contiguous();
   const int64_t two_i = gate_up.size(-1), rows = two_i ? gate_up.numel() / two_i : 0;
   TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
   auto sizes = gate_up.sizes().vec();
   sizes.back() = two_i / 2;
-  auto y = torch::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) {
+  auto y = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_impl<float>(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, two_i / 2);
   } else {
-    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_and_mul supports float32 and bfloat16");
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_and_mul supports float32 and bfloat16");
     silu_and_mul_impl<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, two_i / 2);
   }
   return y;
@@ -451,7 +450,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // make(r, buffer) and quantized at once, instead of written out in bf16 and read back by
 // linear_w8a8.
 template <typename F>
-W8A8Rows quantize_as_made(int64_t rows, int64_t n, int64_t grain, const torch::TensorOptions& options, const F& make) {
+W8A8Rows quantize_as_made(int64_t rows, int64_t n, int64_t grain, const at::TensorOptions& options, const F& make) {
   W8A8Rows out = w8a8_rows(rows, n, options);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<at::BFloat16> y(n);
@@ -463,17 +462,17 @@ W8A8Rows quantize_as_made(int64_t rows, int64_t n, int64_t grain, const torch::T
   return out;
 }
 
-std::tuple<W8A8Rows, torch::Tensor> add_rms_norm_w8a8(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps) {
+std::tuple<W8A8Rows, at::Tensor> add_rms_norm_w8a8(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                                                   double eps) {
   using B = at::BFloat16;
   x = x.contiguous();
   residual = residual.contiguous();
   weight = weight.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [rows, n] bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [rows, n] bfloat16");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), "weight does not match x");
-  auto sum = torch::empty_like(x);
+  auto sum = at::empty_like(x);
   const B *xp = x.data_ptr<B>(), *rp = residual.data_ptr<B>(), *wp = weight.data_ptr<B>();
   B* sp = sum.data_ptr<B>();
   W8A8Rows out = quantize_as_made(rows, n, 16, x.options(), [&](int64_t r, B* y) {
@@ -482,10 +481,10 @@ std::tuple<W8A8Rows, torch::Tensor> add_rms_norm_w8a8(torch::Tensor x, torch::Te
   return {out, sum};
 }
 
-W8A8Rows silu_and_mul_w8a8(torch::Tensor gate_up) {
+W8A8Rows silu_and_mul_w8a8(at::Tensor gate_up) {
   using B = at::BFloat16;
   gate_up = gate_up.contiguous();
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16, "gate_up must be [rows, 2I] bfloat16");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16, "gate_up must be [rows, 2I] bfloat16");
   const int64_t rows = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
   TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
   const B* gp = gate_up.data_ptr<B>();
@@ -551,38 +550,38 @@ void rope_write_kv_int8(const at::BFloat16* qkv, const at::BFloat16* cos, const 
   });
 }
 
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                            torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
-                            int64_t num_kv_heads) {
+at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                         at::Tensor v_cache, at::Tensor slot_mapping, int64_t num_heads,
+                         int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "qkv [T, (Hq + 2 Hkv) D], caches [Hkv, blocks, block, D] contiguous");
   qkv = qkv.contiguous();
-  const bool int8_cache = k_cache.scalar_type() == torch::kUInt8;
+  const bool int8_cache = k_cache.scalar_type() == at::kByte;
   const int64_t T = qkv.size(0), D = k_cache.size(3) - (int8_cache ? kInt8RowExtra : 0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv width");
   TORCH_CHECK(k_cache.size(0) == num_kv_heads, "cache kv heads");
   cos = cos.reshape({T, D}).contiguous();
   sin = sin.reshape({T, D}).contiguous();
-  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == T, "one slot per token");
   TORCH_CHECK(!int8_cache || (D <= 512 && D % 4 == 0 && k_cache.size(2) % 16 == 0),
               "an int8 cache takes head_dim a multiple of 4 up to 512, blocks a multiple of 16 tokens");
-  TORCH_CHECK((int8_cache ? qkv.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kUInt8
+  TORCH_CHECK((int8_cache ? qkv.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kByte
                           : qkv.scalar_type() == k_cache.scalar_type()) && cos.scalar_type() == qkv.scalar_type(),
               "dtypes differ (an int8 cache takes bf16 activations)");
   const int64_t cache_rows = k_cache.size(1) * k_cache.size(2);
-  auto q = torch::empty({T, num_heads, D}, qkv.options());
+  auto q = at::empty({T, num_heads, D}, qkv.options());
   if (int8_cache) {
     using B = at::BFloat16;
     rope_write_kv_int8(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), q.data_ptr<B>(),
                        k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), slots.data_ptr<int64_t>(), T,
                        num_heads, num_kv_heads, D, k_cache.size(1), k_cache.size(2));
-  } else if (qkv.scalar_type() == torch::kFloat32) {
+  } else if (qkv.scalar_type() == at::kFloat) {
     rope_write_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
                               k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(), T,
                               num_heads, num_kv_heads, D, cache_rows);
   } else {
-    TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16, "rope_write_kv supports float32 and bfloat16");
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_write_kv supports float32 and bfloat16");
     using B = at::BFloat16;
     rope_write_kv_impl<B>(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), q.data_ptr<B>(),
                           k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), slots.data_ptr<int64_t>(), T, num_heads,
@@ -592,18 +591,3 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 }
 
 }  // namespace sluice
-
-void register_batch_invariant(pybind11::module& m) {
-  m.attr("has_batch_invariant") = true;
-  m.def("bi_pack_weight", &sluice::pack_weight, "pack [N, K] weights for bi_linear");
-  m.def("bi_linear", &sluice::linear, "batch-invariant x @ W^T (+ b)", pybind11::arg("x"), pybind11::arg("packed"),
-        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
-  m.def("bi_pack_weight_int8", &sluice::pack_weight_int8, "pack [N, K] int8 weights for bi_linear_int8");
-  m.def("bi_linear_int8", &sluice::linear_int8, "batch-invariant x @ (q * scale)^T (+ b), int8 weights",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("n"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
-  m.def("rope_write_kv", &sluice::rope_write_kv, "RoPE on q and k, K/V into the paged cache, q out");
-  m.def("bi_rms_norm", &sluice::rms_norm, "batch-invariant RMSNorm over the last dim");
-  m.def("bi_add_rms_norm", &sluice::add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
-  m.def("bi_silu_and_mul", &sluice::silu_and_mul, "batch-invariant silu(gate) * up");
-}

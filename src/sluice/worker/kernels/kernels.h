@@ -1,48 +1,60 @@
-// The entry points of the CPU kernels that other kernel files call directly (the
-// decoder stack chains them without going back to Python between ops).
+// The entry points of the CPU kernels: those bindings.cpp gives Python, and those other
+// kernel files call directly (the decoder stack chains them without going back to Python
+// between ops).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <tuple>
 
-torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor query_start,
-                                     torch::Tensor seq_lens, double scale);
+// paged_attention.cpp
+at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor query_start,
+                                  at::Tensor seq_lens, double scale);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale);
+// argmax.cpp
+at::Tensor greedy_head(at::Tensor approx, at::Tensor x, at::Tensor packed, int64_t k);
+at::Tensor argmax_rows(at::Tensor logits);
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 
 namespace sluice {
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                     bool out_float32);
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
-                          c10::optional<torch::Tensor> bias, bool out_float32);
+// batch_invariant.cpp and w8a8.cpp: weights packed once at load for their linear kernels.
+at::Tensor pack_weight(at::Tensor w);
+at::Tensor pack_weight_int8(at::Tensor q);
+at::Tensor w8a8_pack_weight(at::Tensor q);
+at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                  bool out_float32);
+at::Tensor linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32);
 // A bias (or nothing) as contiguous float32, undefined when absent.
-torch::Tensor float_or_empty(const c10::optional<torch::Tensor>& t);
-torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
-                          c10::optional<torch::Tensor> bias, bool out_float32);
+at::Tensor float_or_empty(const c10::optional<at::Tensor>& t);
+at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32);
 // Activations as linear_w8a8 quantizes them (w8a8.cpp): [M, K padded to 32] int8, one
 // scale per block of 32, and each row's correction for the +128 weight offset. The AVX2
 // build also keeps |q| and 128 * each block's sum of q (qabs, boff: its dot products'
 // operands, made once per row); the AVX-512 build leaves them undefined.
 struct W8A8Rows {
-  torch::Tensor q, scales, corr;
+  at::Tensor q, scales, corr;
   int64_t K = 0;
-  torch::Tensor qabs, boff;
+  at::Tensor qabs, boff;
 };
-W8A8Rows w8a8_rows(int64_t M, int64_t K, const torch::TensorOptions& options);
+W8A8Rows w8a8_rows(int64_t M, int64_t K, const at::TensorOptions& options);
 // Quantizes one bf16 row of K values into row r.
 void w8a8_quantize_row(const uint16_t* x, W8A8Rows& rows, int64_t r);
-torch::Tensor linear_w8a8_rows(const W8A8Rows& x, torch::Tensor packed, torch::Tensor scale, int64_t N,
-                               c10::optional<torch::Tensor> bias, bool out_float32);
+at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor scale, int64_t N,
+                            c10::optional<at::Tensor> bias, bool out_float32);
 // add_rms_norm and silu_and_mul (bf16) whose output rows go straight to w8a8_quantize_row:
 // the same bits as quantizing their bf16 outputs, in one pass.
-std::tuple<W8A8Rows, torch::Tensor> add_rms_norm_w8a8(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps);
-W8A8Rows silu_and_mul_w8a8(torch::Tensor gate_up);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                            torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
-                            int64_t num_kv_heads);
+std::tuple<W8A8Rows, at::Tensor> add_rms_norm_w8a8(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                                                   double eps);
+W8A8Rows silu_and_mul_w8a8(at::Tensor gate_up);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                                                double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                         at::Tensor v_cache, at::Tensor slot_mapping, int64_t num_heads,
+                         int64_t num_kv_heads);
 }  // namespace sluice

@@ -5,8 +5,7 @@
 // a contiguous buffer (what the torch fallback has to do). Scores, softmax and the
 // weighted sum run in float32 whatever the cache dtype. Work is split over (token, kv
 // head) pairs with at::parallel_for, i.e. torch's own intra-op threads.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <cmath>
 #include <cstdint>
@@ -609,22 +608,22 @@ void for_each_work(int64_t total, int64_t parts, int64_t num_kv_heads, const std
 // computed in a prompt chunk of any size or as a decode step, and whatever else shares
 // the batch: the batch-invariant attention of deterministic mode. Rows past the last
 // request (padding) come out as zeros.
-torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor query_start,
-                                     torch::Tensor seq_lens, double scale) {
+at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor query_start,
+                                  at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [tokens, heads, dim], cache [kv_heads, blocks, block, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  const bool int8_cache = k_cache.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(int8_cache ? q.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kUInt8 &&
+  const bool int8_cache = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(int8_cache ? q.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kByte &&
                                k_cache.size(3) == q.size(2) + sluice::kInt8RowExtra
                          : q.scalar_type() == k_cache.scalar_type(),
               "q and cache dtypes differ (an int8 cache takes bf16 q, rows of head_dim + 4 bytes)");
   TORCH_CHECK(!int8_cache || (q.size(2) % 4 == 0 && k_cache.size(2) % 16 == 0),
               "an int8 cache takes head_dim a multiple of 4, blocks a multiple of 16 tokens");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads not a multiple of kv heads");
-  auto bt = block_tables.to(torch::kInt64).contiguous();
-  auto qs = query_start.to(torch::kInt64).contiguous();
-  auto lens = seq_lens.to(torch::kInt64).contiguous();
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto qs = query_start.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
   const int64_t num_reqs = lens.size(0), T = q.size(0);
   TORCH_CHECK(qs.size(0) == num_reqs + 1 && bt.size(0) == num_reqs, "one block table and length per request");
   const int64_t* qsp = qs.data_ptr<int64_t>();
@@ -640,7 +639,7 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
       tok_len[qsp[b] + i] = lp[b] - q_len + i + 1;
     }
   }
-  auto out = torch::zeros_like(q);
+  auto out = at::zeros_like(q);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = bt.size(1);
@@ -741,9 +740,9 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
       };
     });
   };
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     run(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         out.data_ptr<c10::BFloat16>());
   } else {
@@ -753,24 +752,9 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // Decodes only: one query token per sequence, i.e. the varlen case with query_start = 0..B.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   return paged_attention_varlen(q, k_cache, v_cache, block_tables,
-                                torch::arange(seq_lens.size(0) + 1, seq_lens.options().dtype(torch::kInt64)),
+                                at::arange(seq_lens.size(0) + 1, seq_lens.options().dtype(at::kLong)),
                                 seq_lens, scale);
-}
-
-void register_batch_invariant(pybind11::module& m);  // batch_invariant.cpp
-void register_decoder_stack(pybind11::module& m);    // decoder_stack.cpp
-void register_w8a8(pybind11::module& m);             // w8a8.cpp
-void register_argmax(pybind11::module& m);           // argmax.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
-  m.def("paged_attention_varlen", &paged_attention_varlen,
-        "attention for every token of a flat batch over a paged KV cache, prefill and decode alike (CPU)");
-  register_batch_invariant(m);
-  register_decoder_stack(m);
-  register_w8a8(m);
-  register_argmax(m);
 }

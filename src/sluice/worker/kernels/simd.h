@@ -7,8 +7,7 @@
 // halves. This header is the one place that tells the two builds apart.
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <atomic>

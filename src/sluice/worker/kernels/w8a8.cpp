@@ -23,8 +23,7 @@
 // Every output element is reduced in an order fixed by its row alone (blocks in order,
 // k in order within a block, a row quantized by itself), so these kernels are
 // batch-invariant like batch_invariant.cpp's.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <cstdint>
 #include <cstring>
@@ -141,14 +140,14 @@ void w8a8_quantize_row(const uint16_t* xr, W8A8Rows& rows, int64_t r) {
   rows.corr.data_ptr<float>()[r] = 128.0f * c;
 }
 
-W8A8Rows w8a8_rows(int64_t M, int64_t K, const torch::TensorOptions& options) {
+W8A8Rows w8a8_rows(int64_t M, int64_t K, const at::TensorOptions& options) {
   const int64_t Kp = padded_k(K);
-  W8A8Rows rows{torch::empty({M, Kp}, options.dtype(torch::kInt8)),
-                torch::empty({M, Kp / kBlock}, options.dtype(torch::kFloat32)),
-                torch::empty({M}, options.dtype(torch::kFloat32)), K};
+  W8A8Rows rows{at::empty({M, Kp}, options.dtype(at::kChar)),
+                at::empty({M, Kp / kBlock}, options.dtype(at::kFloat)),
+                at::empty({M}, options.dtype(at::kFloat)), K};
 #if defined(SLUICE_AVX2)
-  rows.qabs = torch::empty({M, Kp}, options.dtype(torch::kInt8));
-  rows.boff = torch::empty({M, Kp / kBlock}, options.dtype(torch::kInt32));
+  rows.qabs = at::empty({M, Kp}, options.dtype(at::kChar));
+  rows.boff = at::empty({M, Kp / kBlock}, options.dtype(at::kInt));
 #endif
   return rows;
 }
@@ -397,8 +396,8 @@ void block_cols(int C, const uint8_t* w, int64_t KS, const Acts& x, int64_t nb0,
 
 // q: [N, K] int8 -> [N/16][Kp/4][16][4] uint8 holding q + 128, N padded to 16 and K to
 // a whole block (the padding's activations are zero, so its weights do not matter).
-torch::Tensor w8a8_pack_weight(torch::Tensor q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "int8 weight must be [N, K] int8");
+at::Tensor w8a8_pack_weight(at::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8 weight must be [N, K] int8");
   TORCH_CHECK(q.numel() == 0 || q.min().item<int8_t>() >= -127, "w8a8 weights must lie in -127..127");
   q = q.contiguous();
   const int64_t N = q.size(0), K = q.size(1), NB = (N + kLanes - 1) / kLanes, KS = padded_k(K) / 4;
@@ -407,7 +406,7 @@ torch::Tensor w8a8_pack_weight(torch::Tensor q) {
 #else
   constexpr int kOffset = 128;
 #endif
-  auto out = torch::full({NB, KS, kLanes, 4}, kOffset, q.options().dtype(torch::kUInt8));
+  auto out = at::full({NB, KS, kLanes, 4}, kOffset, q.options().dtype(at::kByte));
   const int8_t* src = q.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n)
@@ -419,9 +418,9 @@ torch::Tensor w8a8_pack_weight(torch::Tensor q) {
 
 // x: [M, K] bf16; packed from w8a8_pack_weight; scale: [N] per output column. Returns
 // [M, N] bf16, or float32 when out_float32 (the LM head).
-torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t N,
-                          c10::optional<torch::Tensor> bias, bool out_float32) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
+at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   W8A8Rows rows = w8a8_rows(M, K, x.options());
@@ -435,15 +434,15 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // The linear layer over activations already quantized (by linear_w8a8, or by a fused
 // norm or SwiGLU that quantizes each row as it makes it: one pass and one parallel
 // region fewer than producing bf16 rows and quantizing them here).
-torch::Tensor linear_w8a8_rows(const W8A8Rows& x, torch::Tensor packed, torch::Tensor scale, int64_t N,
-                               c10::optional<torch::Tensor> bias, bool out_float32) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "weights packed by w8a8_pack_weight expected");
+at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor scale, int64_t N,
+                            c10::optional<at::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "weights packed by w8a8_pack_weight expected");
   const int64_t M = x.q.size(0), K = x.K, Kp = padded_k(K), KS = Kp / 4;
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == KS, "packed weight does not match [N, K]");
-  auto scale_f = scale.to(torch::kFloat32).contiguous();
+  auto scale_f = scale.to(at::kFloat).contiguous();
   TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
   const auto bias_f = float_or_empty(bias);
-  auto out = torch::empty({M, N}, x.q.options().dtype(out_float32 ? torch::kFloat32 : torch::kBFloat16));
+  auto out = at::empty({M, N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   const uint8_t* w = packed.data_ptr<uint8_t>();
 #if defined(SLUICE_AVX2)
@@ -473,7 +472,7 @@ torch::Tensor linear_w8a8_rows(const W8A8Rows& x, torch::Tensor packed, torch::T
       const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
       const int64_t passes = static_cast<int64_t>(rows.size());
       const char* next = u + 1 < end && passes <= kPrefetchMaxPasses
-                             ? reinterpret_cast<const char*>(w + (nb0 + kCols) * KS * kLanes * 4) : nullptr;
+                 ? reinterpret_cast<const char*>(w + (nb0 + kCols) * KS * kLanes * 4) : nullptr;
       const int64_t next_lines = next ? std::min<int64_t>(kCols, NB - nb0 - kCols) * KS * kLanes * 4 / 64 : 0;
       const int64_t nblk = Kp / kBlock;
       for (int64_t p = 0; p < passes; ++p) {
@@ -491,11 +490,3 @@ torch::Tensor linear_w8a8_rows(const W8A8Rows& x, torch::Tensor packed, torch::T
 }
 
 }  // namespace sluice
-
-void register_w8a8(pybind11::module& m) {
-  m.attr("has_w8a8") = true;
-  m.def("w8a8_pack_weight", &sluice::w8a8_pack_weight, "pack [N, K] int8 weights for w8a8_linear");
-  m.def("w8a8_linear", &sluice::linear_w8a8, "x @ (q * scale)^T (+ b), x quantized to int8 per block of 32",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("n"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float32") = false);
-}

@@ -13,69 +13,69 @@
 // stays held: releasing it let the HTTP thread compete with the OpenMP workers for the
 // cores and cost throughput at 32 clients (measured again after the balanced linear
 // kernels: 548 vs 572 tok/s, medians of three alternating pairs of 256 requests).
-#include <torch/extension.h>
+#pragma once
 
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
 
-namespace {
+namespace sluice {
 
 // One linear layer as models/linear.py's KernelWeight holds it.
 struct StackLinear {
   int64_t n = 0;
-  torch::Tensor packed;    // bf16/fp32 for sluice::linear; undefined when only int8 exists
-  torch::Tensor q_packed;  // int8 for sluice::linear_int8 ...
-  torch::Tensor qscale;    // ... with float32 per-column scales
+  at::Tensor packed;    // bf16/fp32 for sluice::linear; undefined when only int8 exists
+  at::Tensor q_packed;  // int8 for sluice::linear_int8 ...
+  at::Tensor qscale;    // ... with float32 per-column scales
   double int8_max_rows = 0;
-  c10::optional<torch::Tensor> bias;
-  torch::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
+  c10::optional<at::Tensor> bias;
+  at::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (w8a8.defined()) return sluice::linear_w8a8(x, w8a8, qscale, n, bias, false);
     if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
       return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
     return sluice::linear(x, packed, n, bias, false);
   }
-  torch::Tensor operator()(const sluice::W8A8Rows& x) const {
+  at::Tensor operator()(const sluice::W8A8Rows& x) const {
     return sluice::linear_w8a8_rows(x, w8a8, qscale, n, bias, false);
   }
 };
 
 struct StackLayer {
   StackLinear qkv, o, gate_up, down;
-  torch::Tensor input_norm, post_attention_norm;
+  at::Tensor input_norm, post_attention_norm;
 };
 
 class DecoderStack {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-               torch::Tensor final_norm)
+               at::Tensor final_norm)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         final_norm_(final_norm.contiguous()) {}
 
   // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias, w8a8); absent tensors are None.
-  using LinearArgs = std::tuple<int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                                c10::optional<torch::Tensor>, double, c10::optional<torch::Tensor>,
-                                c10::optional<torch::Tensor>>;
+  using LinearArgs = std::tuple<int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                                c10::optional<at::Tensor>, double, c10::optional<at::Tensor>,
+                                c10::optional<at::Tensor>>;
 
   void add_layer(const LinearArgs& qkv, const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
-                 torch::Tensor input_norm, torch::Tensor post_attention_norm) {
+                 at::Tensor input_norm, at::Tensor post_attention_norm) {
     layers_.push_back({make(qkv), make(o), make(gate_up), make(down), input_norm.contiguous(),
                        post_attention_norm.contiguous()});
   }
 
   // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer.
   // Returns the final norm's output, as LlamaForCausalLM.forward does.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                        const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
-                        torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor query_start,
-                        torch::Tensor seq_lens) const {
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                     const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
+                     at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor query_start,
+                     at::Tensor seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache pair per layer");
     const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
-    torch::Tensor residual = x;
-    torch::Tensor h = sluice::rms_norm(x, layers_[0].input_norm, eps_);
+    at::Tensor residual = x;
+    at::Tensor h = sluice::rms_norm(x, layers_[0].input_norm, eps_);
     // A norm or SwiGLU whose output feeds a w8a8 layer quantizes its rows as it makes
     // them (the same bits as quantizing its bf16 output in the linear layer).
     sluice::W8A8Rows hq;
@@ -83,11 +83,11 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
-      torch::Tensor q = sluice::rope_write_kv(quantized ? l.qkv(hq) : l.qkv(h), cos, sin, k_cache, v_cache,
-                                              slot_mapping, num_heads_, num_kv_heads_);
-      torch::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
+      at::Tensor q = sluice::rope_write_kv(quantized ? l.qkv(hq) : l.qkv(h), cos, sin, k_cache, v_cache,
+                                           slot_mapping, num_heads_, num_kv_heads_);
+      at::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
       attn = l.o(attn.reshape({T, q_size}));
-      torch::Tensor gate_up;
+      at::Tensor gate_up;
       if (l.gate_up.w8a8.defined()) {
         sluice::W8A8Rows a;
         std::tie(a, residual) = sluice::add_rms_norm_w8a8(attn, residual, l.post_attention_norm, eps_);
@@ -96,10 +96,10 @@ class DecoderStack {
         std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
         gate_up = l.gate_up(h);
       }
-      torch::Tensor mlp = l.down.w8a8.defined() ? l.down(sluice::silu_and_mul_w8a8(gate_up))
+      at::Tensor mlp = l.down.w8a8.defined() ? l.down(sluice::silu_and_mul_w8a8(gate_up))
                                                  : l.down(sluice::silu_and_mul(gate_up));
       const bool last = i + 1 == layers_.size();
-      const torch::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
+      const at::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
       quantized = !last && layers_[i + 1].qkv.w8a8.defined();
       if (quantized) std::tie(hq, residual) = sluice::add_rms_norm_w8a8(mlp, residual, next_norm, eps_);
       else std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
@@ -123,17 +123,8 @@ class DecoderStack {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
-  torch::Tensor final_norm_;
+  at::Tensor final_norm_;
   std::vector<StackLayer> layers_;
 };
 
-}  // namespace
-
-void register_decoder_stack(pybind11::module& m) {
-  pybind11::class_<DecoderStack>(m, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(), pybind11::arg("num_heads"),
-           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"),
-           pybind11::arg("final_norm"))
-      .def("add_layer", &DecoderStack::add_layer)
-      .def("forward", &DecoderStack::forward);
-}
+}  // namespace sluice

@@ -1,0 +1,51 @@
+// The Python module of the CPU kernels (worker/kernels/__init__.py loads it): every entry
+// point, with its arguments' names and defaults. The one file that includes
+// <torch/extension.h> (aten.h says why).
+#include <torch/extension.h>
+
+#include "decoder_stack.h"
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  // paged_attention.cpp
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_attention_varlen", &paged_attention_varlen,
+        "attention for every token of a flat batch over a paged KV cache, prefill and decode alike (CPU)");
+
+  // batch_invariant.cpp
+  m.attr("has_batch_invariant") = true;
+  m.def("bi_pack_weight", &sluice::pack_weight, "pack [N, K] weights for bi_linear");
+  m.def("bi_linear", &sluice::linear, "batch-invariant x @ W^T (+ b)", py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias") = py::none(), py::arg("out_float32") = false);
+  m.def("bi_pack_weight_int8", &sluice::pack_weight_int8, "pack [N, K] int8 weights for bi_linear_int8");
+  m.def("bi_linear_int8", &sluice::linear_int8, "batch-invariant x @ (q * scale)^T (+ b), int8 weights",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("out_float32") = false);
+  m.def("rope_write_kv", &sluice::rope_write_kv, "RoPE on q and k, K/V into the paged cache, q out");
+  m.def("bi_rms_norm", &sluice::rms_norm, "batch-invariant RMSNorm over the last dim");
+  m.def("bi_add_rms_norm", &sluice::add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
+  m.def("bi_silu_and_mul", &sluice::silu_and_mul, "batch-invariant silu(gate) * up");
+
+  // decoder_stack.h. Module-local: each ISA's build is its own module with its own class of
+  // the same C++ name, and a process may load two (the tests compare them).
+  py::class_<sluice::DecoderStack>(m, "DecoderStack", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("final_norm"))
+      .def("add_layer", &sluice::DecoderStack::add_layer)
+      .def("forward", &sluice::DecoderStack::forward);
+
+  // w8a8.cpp
+  m.attr("has_w8a8") = true;
+  m.def("w8a8_pack_weight", &sluice::w8a8_pack_weight, "pack [N, K] int8 weights for w8a8_linear");
+  m.def("w8a8_linear", &sluice::linear_w8a8, "x @ (q * scale)^T (+ b), x quantized to int8 per block of 32",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("out_float32") = false);
+
+  // argmax.cpp
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "structured outputs: logits[rows[r]] = -inf where bitmask[r] has a 0 bit, in place");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for [B, V] float32, rows over threads");
+  m.def("greedy_head", &greedy_head, "argmax of the bf16 LM head from int8 logits: the top k rescored exactly",
+        py::arg("approx"), py::arg("x"), py::arg("packed"), py::arg("k") = 16);
+}
