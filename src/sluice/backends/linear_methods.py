@@ -45,10 +45,11 @@ class KernelWeight:
     qscale: torch.Tensor | None = None   # ... with its per-column float32 scales
     int8_max_rows: float = 0
     w8a8: torch.Tensor | None = None     # int8 for kernels.w8a8_linear, with qscale
-    logits: bool = False                 # float32 outputs by default (the LM head)
+    # float32 outputs by default: the LM head's logits, a row-parallel layer's partial sums
+    out_float32: bool = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool | None = None):
-        out_float32 = self.logits if out_float32 is None else out_float32
+        out_float32 = self.out_float32 if out_float32 is None else out_float32
         if self.w8a8 is not None:
             return self.kernels.w8a8_linear(x, self.w8a8, self.qscale, self.n, bias, out_float32)
         if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:

@@ -102,7 +102,12 @@ def _linear_method(model, name: str, module: Linear, plan, quantization: str | N
         last = len(model.model.layers) - 1
         ends = ("lm_head", "model.layers.0.", f"model.layers.{last}.")
         w8a8 = plan.linear == "kernels-w8a8" and not name.startswith(ends)
-        return kernel_weight(k, module.weight, q, plan.deterministic, w8a8)
+        method = kernel_weight(k, module.weight, q, plan.deterministic, w8a8)
+        # Row-parallel: each rank's partial sums stay float32 through the all-reduce and are
+        # rounded once (Linear.forward), as one process rounds its whole sum (the tiny
+        # model's logprobs: one process's to the bit, none of them when each rank rounded
+        # its share; docs/design.md, "Tensor parallelism").
+        return dataclasses.replace(method, out_float32=True) if module.reduce is not None else method
     packed = PackedWeight(prepack_weight(module.weight)) if plan.linear.endswith("onednn-bf16") else None
     if q is not None:
         return Int8Weight(q[0], q[1], module.weight.detach(), packed)
@@ -134,7 +139,7 @@ def _finish(model, plan, quantization: str | None, max_positions: int | None, wi
             head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, plan.deterministic)
         else:
             head = model.lm_head.method
-        model.head = dataclasses.replace(head, logits=True)  # float32 logits
+        model.head = dataclasses.replace(head, out_float32=True)  # float32 logits
         if plan.head == "kernels-greedy-w8a8" and head.packed is not None:
             # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
             q, scale = quantize_per_channel(model.head_weight())

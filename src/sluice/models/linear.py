@@ -24,4 +24,5 @@ class Linear(nn.Linear):
         y = self.method(x, bias) if self.method is not None else F.linear(x, self.weight, bias)
         if self.reduce is not None:
             self.reduce.all_reduce(y)
+            y = y.to(x.dtype)  # the backend's method may give float32 partial sums
         return y
