@@ -34,6 +34,8 @@ def test_cache_aware_sends_a_shared_prefix_to_the_replica_that_saw_it():
     assert p.pick([0, 1], DOC[:CHUNK] + "x" * 2000)[1] == "cache_miss"
     # The replica holding the prefix is down: another one takes it.
     assert p.pick([1 - first], DOC + "question five?")[0] == 1 - first
+    # Texts too short for one piece match nothing and fill no tree: they take turns.
+    assert sorted(p.pick([0, 1], f"hi {i}")[0] for i in range(4)) == [0, 0, 1, 1]
 
 
 def test_cache_aware_balances_when_load_is_lopsided():

@@ -8,7 +8,8 @@
                 `balance_rel` times as many) the idlest replica; else, when some replica's
                 tree matches more than `cache_threshold` of the request's text, the one
                 matching the longest prefix (its KV cache likely holds that prefix); else
-                the replica whose tree is smallest (the most cache to spare).
+                the replica whose tree is smallest (the most cache to spare); a text
+                shorter than one piece, the idlest (ties in turn).
 
 The tree is approximate: the text cut into CHUNK-character pieces, each named by a hash
 chained over the pieces before it (the engine names KV blocks the same way), kept per
@@ -118,6 +119,8 @@ class RouterPolicy:
             best = max(healthy, key=lambda r: (matched[r], -self.inflight[r]))
             if matched[best] * CHUNK > self.cache_threshold * len(text):
                 return self._chosen(best, text, "cache_hit", session, hashes)
+        if not hashes:  # too short to be cached anywhere: only the load tells replicas apart
+            return self._chosen(self._idlest(healthy), text, "cache_miss", session, hashes)
         roomiest = min(healthy, key=lambda r: (len(self.trees[r]), self.inflight[r], r))
         return self._chosen(roomiest, text, "cache_miss", session, hashes)
 
