@@ -288,15 +288,19 @@ def test_a_replica_restarted_after_a_group_update_waits_out_of_rotation_for_the_
     assert out["choices"][0]["text"] == want and out["weight_version"] == "step-6"
 
 
-def test_sluice_serve_with_two_replicas_as_a_process(tiny_checkpoint):
-    """The command a user runs: its own local Ray cluster, 2 replicas, the router; SIGTERM
-    stops it all and exits 0."""
+def test_sluice_serve_with_two_replicas_of_two_ranks_as_a_process(tiny_checkpoint):
+    """The command a user runs: its own local Ray cluster, 2 replicas, each a tensor-parallel
+    engine of 2 ranks, the router; SIGTERM stops it all, every rank process included, and
+    exits 0."""
     import subprocess
     import sys
+
+    import psutil
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model",
                              str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "64",
-                             "--data-parallel-size", "2", "--port", str(port), "--served-model-name", MODEL],
+                             "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--port", str(port),
+                             "--served-model-name", MODEL],
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -311,11 +315,21 @@ def test_sluice_serve_with_two_replicas_as_a_process(tiny_checkpoint):
                 pass
             assert time.time() < deadline, "the data-parallel server did not come up"
             time.sleep(0.5)
-        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-        assert 'sluice_router_replica_up{replica="1"} 1.0' in httpx.get(f"{url}/metrics").text
+        for i in range(2):  # short texts take turns: one on each replica
+            r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        metrics = httpx.get(f"{url}/metrics").text
+        for i in (0, 1):
+            assert f'sluice_router_replica_up{{replica="{i}"}} 1.0' in metrics
+            assert total(url, "sluice_requests_finished_total", f'replica="{i}"') == 1
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if "sluice.distributed.tp_rank" in " ".join(c.cmdline())]
+        assert len(ranks) == 2  # each replica's second rank
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, alive
     finally:
         if proc.poll() is None:
             proc.kill()
