@@ -2,7 +2,10 @@
 on a tiny random Llama (float32)."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -22,6 +25,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_process(*args: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`sluice serve ARGS --port <free>` as a real process (output piped), once its /health
+    answers 200: (process, base URL). The caller stops it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", *args, "--port", str(port)],
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    try:
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, f"sluice serve {' '.join(args)} did not come up"
+            time.sleep(0.2)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        raise
 
 
 class RunningServer:

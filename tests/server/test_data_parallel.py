@@ -26,7 +26,7 @@ from sluice.entrypoints.router.app import build_router_app
 from sluice.entrypoints.router.policy import RouterPolicy
 from sluice.entrypoints.router.replicas import ReplicaSet
 from tests.model.test_weight_updates import new_checkpoint
-from tests.server.conftest import MODEL, free_port, metric_value
+from tests.server.conftest import MODEL, free_port, metric_value, serve_process
 
 KEY = {"Authorization": "Bearer sekret"}
 DOC = "".join(f"Clause {i}: the tenant shall keep the premises in good repair. " for i in range(30))
@@ -292,29 +292,11 @@ def test_sluice_serve_with_two_replicas_of_two_ranks_as_a_process(tiny_checkpoin
     """The command a user runs: its own local Ray cluster, 2 replicas, each a tensor-parallel
     engine of 2 ranks, the router; SIGTERM stops it all, every rank process included, and
     exits 0."""
-    import subprocess
-    import sys
-
     import psutil
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model",
-                             str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "64",
-                             "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--port", str(port),
-                             "--served-model-name", MODEL],
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process("--model", str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "64",
+                              "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--served-model-name", MODEL,
+                              timeout=180)
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the data-parallel server did not come up"
-            time.sleep(0.5)
         for i in range(2):  # short texts take turns: one on each replica
             r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
                            timeout=60)

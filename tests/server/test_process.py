@@ -10,30 +10,15 @@ import time
 
 import httpx
 
-from tests.server.conftest import MODEL, free_port
+from tests.server.conftest import MODEL, serve_process
 
 
 def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint):
     """On SIGTERM open streams get the grace period, then a final error event and [DONE]
     (they used to be cut mid-chunk, with a CancelledError traceback each in the log)."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model",
-                             str(tiny_checkpoint("llama")), "--dtype", "float32", "--port", str(port),
-                             "--num-blocks", "128", "--served-model-name", MODEL, "--shutdown-grace", "0.3"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = serve_process("--model", str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "128",
+                              "--served-model-name", MODEL, "--shutdown-grace", "0.3")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
         body = {"model": MODEL, "prompt": "go", "max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=30) as c:
             streams = [c.stream("POST", f"{url}/v1/completions", json=body) for _ in range(3)]

@@ -153,10 +153,14 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
 
     replicas.on_restart = on_restart
 
+    def unavailable_payload(replica: int, why: str) -> dict:
+        body = error_payload(503, f"replica {replica} became unavailable ({why}); the request was ended and the "
+                                  f"replica is being restarted: retry")
+        body["error"]["code"] = "replica_unavailable"
+        return body
+
     def unavailable(replica: int, why: str) -> JSONResponse:
-        return error_json(503, f"replica {replica} became unavailable ({why}); the request was ended and the "
-                               f"replica is being restarted: retry", code="replica_unavailable",
-                          headers={"Retry-After": "2"})
+        return JSONResponse(unavailable_payload(replica, why), status_code=503, headers={"Retry-After": "2"})
 
     def headers_of(raw: Request) -> dict:
         return {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -215,9 +219,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
                 yield chunk
         except httpx.HTTPError as e:
             replicas.mark_down(replica, type(e).__name__)
-            body = error_payload(503, f"replica {replica} became unavailable ({type(e).__name__}); the request was "
-                                      f"ended and the replica is being restarted: retry")
-            body["error"]["code"] = "replica_unavailable"
+            body = unavailable_payload(replica, type(e).__name__)
             yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
         finally:
             await close()
@@ -281,6 +283,11 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
                                            "code": "replica_error"}, "replicas": answers}, status_code=status)
         return {"replicas": answers}
 
+    def common_version(answers: dict[str, dict]):
+        """The replicas' weight_version when they all have the same one, else None."""
+        versions = {a["weight_version"] for a in answers.values()}
+        return versions.pop() if len(versions) == 1 else None
+
     def up() -> list[int]:
         return [i for i in range(replicas.n) if replicas.up[i]]
 
@@ -310,8 +317,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         if not isinstance(result, dict):
             return result
         answers = result["replicas"]
-        versions = {a["weight_version"] for a in answers.values()}
-        return {"weight_version": versions.pop() if len(versions) == 1 else None, "ranks": len(answers),
+        return {"weight_version": common_version(answers), "ranks": len(answers),
                 "asleep": any(a["asleep"] for a in answers.values()),
                 "enabled": all(a["enabled"] for a in answers.values()), "replicas": answers}
 
@@ -340,8 +346,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
             last["update"] = body if body.get("path") is not None else {"group_name": body.get("group_name")}
             for i in members:
                 replicas.stale[i] = False
-            versions = {a["weight_version"] for a in result["replicas"].values()}
-            result["weight_version"] = versions.pop() if len(versions) == 1 else None
+            result["weight_version"] = common_version(result["replicas"])
         return result
 
     @app.post("/v1/weights/close_group")
@@ -414,11 +419,13 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
 
     @app.get("/metrics")
     async def prometheus():
+        healthy = replicas.healthy()
         for i in range(replicas.n):
-            metrics.up.labels(str(i)).set(1 if i in replicas.healthy() else 0)
+            metrics.up.labels(str(i)).set(1 if i in healthy else 0)
             metrics.restarts.labels(str(i)).set(replicas.restarts[i])
-        texts = await asyncio.gather(*[_get_text(client, f"{replicas.urls[i]}/metrics") for i in up()])
-        merged = merge_metrics(dict(zip(up(), texts)))
+        ids = up()  # once: a replica may go down while the others answer
+        texts = await asyncio.gather(*[_get_text(client, f"{replicas.urls[i]}/metrics") for i in ids])
+        merged = merge_metrics(dict(zip(ids, texts)))
         return Response(merged + generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.state.replicas, app.state.policy, app.state.metrics = replicas, policy, metrics
