@@ -15,6 +15,9 @@ MAX_REPETITION_PENALTY = 1e4
 MAX_STOP = 64
 MAX_STOP_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: OpenAI's range per token; at most this many tokens per request.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _int(name: str, value, low: int, high: int = INT32_MAX) -> int:
@@ -33,6 +36,25 @@ def _float(name: str, value, low: float, high: float, low_open: bool = False) ->
     return value
 
 
+def _logit_bias(value) -> dict[int, float]:
+    """{token id: bias} with integer ids >= 0 (their bound, the vocabulary, is the
+    engine's to check) and finite biases in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token ids to biases, got {value!r}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias must name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
+    out = {}
+    for t, b in value.items():
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {b!r} for token {t}")
+        out[t] = float(b)
+    return out
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -49,6 +71,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before any
+    # other transform (-100 in effect bans a token, +100 all but forces it). Logprobs stay
+    # those of the model's own distribution, as for every other transform.
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None       # None: none; k: the chosen token plus the top k
     # None: none; k: per prompt token (after the first) its logprob and rank plus the top k.
     prompt_logprobs: int | None = None
@@ -118,6 +144,8 @@ class SamplingParams:
                                             for s in self.stop):
             raise ValueError(f"stop must be a list of at most {MAX_STOP} non-empty strings of at most "
                              f"{MAX_STOP_LEN} characters")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
@@ -125,6 +153,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

@@ -145,6 +145,27 @@ def test_top_k_one_is_greedy(tiny_llm, reference):
     assert out.outputs[0].token_ids == expected[1]
 
 
+def test_logit_bias_forces_and_bans_tokens(tiny_llm, reference):
+    prompts, expected = reference
+    # +100 on one token: every output token is it, greedy or sampled, with the speculative
+    # decoding the engine runs by default drafting and verifying the repeats.
+    forced = 4242
+    for p in (SamplingParams(max_tokens=12, logit_bias={forced: 100}, **GREEDY),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logit_bias={forced: 100})):
+        assert tiny_llm.generate([prompts[2]], p)[0].outputs[0].token_ids == [forced] * 12
+    # -100 on the plain path's first token: another one comes first, and the request's
+    # neighbours in the batch keep the plain path's tokens.
+    banned = expected[2][0]
+    outs = tiny_llm.generate([prompts[2], prompts[3]],
+                             [SamplingParams(max_tokens=30, logit_bias={banned: -100}, **GREEDY),
+                              SamplingParams(max_tokens=30, **GREEDY)])
+    assert banned not in outs[0].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids == expected[3]
+    with pytest.raises(ValueError, match="logit_bias"):
+        tiny_llm.generate([prompts[0]], SamplingParams(logit_bias={tiny_llm.engine.runner.vocab_size: 1.0}))
+    assert_all_blocks_free(tiny_llm)
+
+
 def test_stop_string_across_token_boundary(tiny_llm):
     """A stop string made of the end of one token and the start of the next ends the text
     before it; while streaming, no partial stop string is ever shown."""
@@ -242,6 +263,9 @@ def test_abort_frees_everything_and_others_continue(tiny_llm):
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(temprature=0.5), "temprature"),
+    (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={"5": 1}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(logit_bias=[5]), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -33,6 +33,8 @@ def params():
         stop=st.lists(st.text(min_size=1, max_size=3), max_size=3),
         stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=4),
         ignore_eos=st.booleans(),
+        logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0),
+                                                        max_size=3)),
         logprobs=st.one_of(st.none(), st.integers(0, 20), st.just(VOCAB)),
         prompt_logprobs=st.one_of(st.none(), st.integers(0, 5)),
     )

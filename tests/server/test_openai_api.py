@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import openai
 
 from tests.server.conftest import MODEL, wait_all_blocks_free
 
@@ -116,9 +117,37 @@ def test_32_concurrent_streaming_chats_match_solo_runs(server):
     wait_all_blocks_free(server.llm)
 
 
+def test_logit_bias_on_completions_and_chat(client, server):
+    # OpenAI's form: token ids as JSON strings; +100 all but forces a token (the engine
+    # tests check -100's ban and the neighbours).
+    token_id = 4242
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=0,
+                                      extra_body=GREEDY)
+    assert plain.choices[0].logprobs.tokens != [server.llm.tokenizer.decode([token_id])] * 6
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
+                                       logit_bias={str(token_id): 100}, extra_body=GREEDY)
+    assert forced.choices[0].text == server.llm.tokenizer.decode([token_id] * 6)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0.8, seed=1, logit_bias={str(token_id): 100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == \
+        server.llm.tokenizer.decode([token_id] * 4)
+    for bad in ({"x": 1}, {"5": 101}, {"-1": 1}, {"99999999": 1}):
+        try:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, logit_bias=bad)
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "logit_bias", e.body
+        else:
+            raise AssertionError(f"accepted {bad}")
+    wait_all_blocks_free(server.llm)
+
+
 def test_models_health_version_metrics(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL
+    card = httpx.get(f"{server.url}/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model"
+    missing = httpx.get(f"{server.url}/v1/models/org/other-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert "version" in httpx.get(f"{server.url}/version").json()
     text = httpx.get(f"{server.url}/metrics").text

@@ -21,7 +21,8 @@ ANY = st.one_of(
     st.integers(), st.integers(min_value=-2, max_value=64), st.sampled_from([2**31, 2**63, 2**64, -2**63 - 1]),
     st.floats(allow_nan=True, allow_infinity=True), st.floats(min_value=-3, max_value=3),
     st.text(max_size=4), st.lists(st.integers(), max_size=3), st.lists(st.text(max_size=3), max_size=3),
-    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.dictionaries(st.integers(min_value=-2, max_value=2**32), st.floats(allow_nan=True), max_size=2))
 
 
 @settings(max_examples=600, deadline=None)
@@ -45,6 +46,8 @@ def test_sampling_params_accept_within_bounds_or_raise_value_error(kwargs):
     assert all(type(s) is str and s for s in p.stop) and len(p.stop) <= 64
     assert all(type(t) is int and 0 <= t <= INT32_MAX for t in p.stop_token_ids)
     assert isinstance(p.ignore_eos, bool)
+    assert p.logit_bias is None or all(type(t) is int and 0 <= t <= INT32_MAX and -100 <= b <= 100
+                                       for t, b in p.logit_bias.items())
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
@@ -52,7 +55,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=12)
 SAMPLING_KEYS = ["n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream",
-                 "stream_options", "prompt_logprobs", "max_tokens", "logprobs", "echo", "best_of"]
+                 "stream_options", "prompt_logprobs", "max_tokens", "logprobs", "echo", "best_of", "logit_bias"]
 
 
 def body_of(extra_keys):

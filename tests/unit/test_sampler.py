@@ -172,3 +172,21 @@ def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax(isa_kerne
     assert torch.equal(k.greedy_head(approx, x, packed, 1), approx.argmax(-1))
     for rows in (1, 3, 17):  # rows are independent of their batch
         assert torch.equal(k.greedy_head(approx[:rows], x[:rows], packed), exact[:rows].argmax(-1))
+
+
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw():
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
+    # row 0: +2.5 on token 2 overtakes token 1; row 1: -100 bans the best; row 2: none.
+    bias = (torch.tensor([0, 1, 1]), torch.tensor([2, 1, 3]), torch.tensor([2.5, -100.0, 0.5]))
+    m = meta_for([SamplingParams(temperature=0)] * 3, max_num_logprobs=0, logit_bias=bias)
+    m.top_k = m.top_p = m.min_p = None
+    out = sampler(logits, m)
+    assert out.token_ids.tolist() == [2, 3, 1]
+    lp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.logprobs[:, 0], lp[[0, 1, 2], [2, 3, 1]])  # the model's own
+    # Sampling: +100 all but forces a token, whatever the draw.
+    m = meta_for([SamplingParams(temperature=1.0)] * 3,
+                 logit_bias=(torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0]), torch.tensor([100.0] * 3)))
+    for _ in range(20):
+        assert sampler(logits, m).token_ids.tolist() == [0, 0, 0]

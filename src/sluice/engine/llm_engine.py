@@ -272,6 +272,9 @@ class LLMEngine:
         vocab = self.runner.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}) for this model")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}) for this model, "
+                             f"got {max(params.logit_bias)}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched sampling: logit bias, penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 Every transform is one tensor op over the whole [batch, vocab] logits; the only per-row
 Python work is drawing noise for rows with their own seed.
@@ -40,6 +40,8 @@ class SamplingMetadata:
     # structured_outputs: (rows [R], token bitmasks [R, W] int32, llguidance's layout):
     # those rows sample only the tokens whose bit is set.
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # logit_bias: (rows, token ids, biases), added to those logits before anything else.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -86,6 +88,9 @@ class Sampler:
         # Logprobs describe the model's own distribution, before any sampling transform:
         # every transform below leaves raw_logits as it is.
         raw_logits = logits = logits.float()
+        if meta.logit_bias is not None:
+            rows, ids, bias = meta.logit_bias
+            logits = logits.index_put((rows, ids), bias, accumulate=True)
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
         if meta.grammar is not None:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
-DELETE), DELETE /v1/sessions/{id}, GET /v1/models, /health, /version, /metrics; with
+DELETE), DELETE /v1/sessions/{id}, GET /v1/models[/{id}], /health, /version, /metrics; with
 --enable-weight-updates the weight and sleep routes of entrypoints/openai/weights.py. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
 stack trace or internal exception text ever reaches a client, and an unexpected error
 is a 500 on a connection that stays usable. A body over max_request_bytes is refused
@@ -315,10 +315,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
                 return error_json(401, "missing or invalid API key", code="invalid_api_key")
         return {"reset_blocks": await engine.reset_prefix_cache()}
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=config.served_model_name, max_model_len=engine.engine.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=config.served_model_name,
-                                         max_model_len=engine.engine.max_model_len)]).model_dump()
+        return ModelList(data=[model_card()]).model_dump()
+
+    # OpenAI's models.retrieve; `path`, since model names often hold a slash (org/name).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card().model_dump()
 
     @app.get("/health")
     async def health():

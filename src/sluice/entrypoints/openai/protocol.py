@@ -85,6 +85,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # OpenAI's {"<token id>": bias in [-100, 100]}; keys are token ids as JSON strings.
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False

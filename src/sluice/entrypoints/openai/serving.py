@@ -107,6 +107,17 @@ def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]
         raise APIError(400, str(e).replace("structured_outputs", field, 1), param=field) from None
 
 
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None,
                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -119,6 +130,8 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    if req.logit_bias is not None:
+        kwargs["logit_bias"] = logit_bias_ids(req.logit_bias)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

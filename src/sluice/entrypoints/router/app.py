@@ -28,6 +28,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -405,6 +406,14 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         if not healthy:
             return no_replica()
         status, body = await call(healthy[0], "GET", "/v1/models", raw)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, raw: Request):
+        healthy = replicas.healthy()
+        if not healthy:
+            return no_replica()
+        status, body = await call(healthy[0], "GET", "/v1/models/" + quote(model_id, safe="/"), raw)
         return JSONResponse(body, status_code=status)
 
     @app.get("/health")
