@@ -70,6 +70,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # True: a stop string that ends the output stays at its end (vLLM's field).
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before any
     # other transform (-100 in effect bans a token, +100 all but forces it). Logprobs stay
@@ -132,6 +134,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.logprobs is not None:

@@ -10,6 +10,13 @@ import json
 
 from sluice.models.loader import ModelSource, gguf_converted, read_gguf_chat_template
 
+# apply_chat_template's own arguments (and transformers' template variables it sets):
+# chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
 
 class Tokenizer:
     def __init__(self, hf_tokenizer, eos_token_ids: set[int]):
@@ -52,17 +59,32 @@ class Tokenizer:
         return getattr(self.hf, "chat_template", None)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> str:
+        """The conversation as the model's chat template renders it. continue_final_message:
+        the last message (an assistant's, typically) is left open for the reply to
+        continue, instead of a new turn (not with add_generation_prompt, vLLM's rule).
+        chat_template_kwargs: extra variables for the template (e.g. Qwen3's
+        enable_thinking), vLLM's field; none may be one of the template call's own arguments."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if continue_final_message and not messages:
+            raise ValueError("continue_final_message needs a final message to continue")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: use the request's own fields")
         return self.hf.apply_chat_template(messages, tokenize=False, tools=tools,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **extra)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
         # The rendered template already holds its special tokens (BOS included, if any).
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, **template_args), add_special_tokens=False)
 
 
 def _generation_config_eos(src: ModelSource):

@@ -193,7 +193,34 @@ def test_stop_string_across_token_boundary(tiny_llm):
     assert final.text == expected
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert all(expected.startswith(s.text) for s in seen)
+    # include_stop_str_in_output (vLLM's): the same end, the stop string kept.
+    kept = tiny_llm.generate([prompt], SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=True,
+                                                      **GREEDY))[0].outputs[0]
+    assert kept.text == expected + stop and kept.token_ids == final.token_ids
     assert_all_blocks_free(tiny_llm)
+
+
+def test_chat_continues_a_final_message_and_passes_template_variables(tiny_llm):
+    tok = tiny_llm.tokenizer
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    # continue_final_message: the assistant's turn is left open (no end of turn after it).
+    opened = tok.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+    closed = tok.apply_chat_template(conv, add_generation_prompt=False)
+    assert opened.endswith("My answer is") and closed.startswith(opened) and len(closed) > len(opened)
+    out = tiny_llm.chat(conv, SamplingParams(max_tokens=3, **GREEDY), add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert out.prompt_token_ids == tok.encode(opened, add_special_tokens=False)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tiny_llm.chat(conv, continue_final_message=True)  # add_generation_prompt is true by default
+    # chat_template_kwargs reach the template as variables; the call's own arguments are refused.
+    saved = tok.hf.chat_template
+    tok.hf.chat_template = "{{ greeting }}{% for m in messages %}|{{ m.content }}{% endfor %}"
+    try:
+        assert tok.apply_chat_template(conv[:1], chat_template_kwargs={"greeting": "hello"}) == "hello|Name a colour."
+        with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
+            tok.apply_chat_template(conv[:1], chat_template_kwargs={"tokenize": True})
+    finally:
+        tok.hf.chat_template = saved
 
 
 def test_stop_token_ids_min_tokens_and_eos(tiny_llm):

@@ -141,6 +141,39 @@ def test_logit_bias_on_completions_and_chat(client, server):
     wait_all_blocks_free(server.llm)
 
 
+def test_vllm_chat_and_stop_fields(client):
+    """vLLM's include_stop_str_in_output, continue_final_message and chat_template_kwargs;
+    OpenAI's suffix, refused as vLLM does."""
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, extra_body=GREEDY)
+    text = plain.choices[0].text
+    stop = text[3:5] if text[3:5].strip() else text[4:6]
+    cut = text[:text.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                      stream=stream, extra_body={**GREEDY, "include_stop_str_in_output": True})
+        got = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+        assert got == cut + stop
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=3, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].finish_reason == "length"
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
+        try:
+            client.chat.completions.create(model=MODEL, messages=conv, max_tokens=3, extra_body=body)
+        except openai.BadRequestError as e:
+            assert e.body["param"] == param, e.body
+        else:
+            raise AssertionError(f"accepted {body}")
+    try:
+        client.completions.create(model=MODEL, prompt="def f(", suffix="    return 1", max_tokens=3)
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "suffix"
+    else:
+        raise AssertionError("suffix accepted")
+
+
 def test_models_health_version_metrics(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL

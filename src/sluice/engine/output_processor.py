@@ -125,7 +125,7 @@ class OutputProcessor:
                     hit = (pos, s)
             if hit is None:
                 continue
-            state.text = state.text[:hit[0]]
+            state.text = state.text[:hit[0] + (len(hit[1]) if req.params.include_stop_str_in_output else 0)]
             req.stop_reason = hit[1]
             if not last:
                 del out[i + 1:]

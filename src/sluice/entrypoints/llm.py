@@ -39,10 +39,18 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | None = None, session_id: str | None = None,
-             priority: int = 0, tenant: str | None = None) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate the reply."""
+             priority: int = 0, tenant: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate the reply.
+        continue_final_message: continue the last (assistant) message instead of starting a
+        new turn (add_generation_prompt=False with it); chat_template_kwargs: extra template
+        variables, e.g. {"enable_thinking": False} for Qwen3 (vLLM's arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
+        prompts = [self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message,
+                                              chat_template_kwargs=chat_template_kwargs)
+                   for conv in conversations]
         return self._run(prompts, sampling_params, use_tqdm, session_id=session_id, priority=priority,
                          tenant=tenant)
 

@@ -49,7 +49,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise ValueError(f"{field} must be an object with one of {', '.join(KINDS)}, got {type(value).__name__}")
         allowed = set(KINDS) | {"disable_any_whitespace"}
-        unknown = sorted(set(value) - allowed)
+        unknown = sorted(map(str, set(value) - allowed))  # offline callers may pass any key type
         if unknown:
             raise ValueError(f"{field}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
         return cls(**value)

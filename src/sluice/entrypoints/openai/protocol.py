@@ -85,6 +85,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: keep the stop string that ended the output at its end (default: cut before it).
+    include_stop_str_in_output: bool = False
     # OpenAI's {"<token id>": bias in [-100, 100]}; keys are token ids as JSON strings.
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
@@ -122,6 +124,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # Accepted only as n (vLLM's V1 engine dropped best_of > n as well).
     best_of: int | None = None
+    # OpenAI's insertion suffix: refused (no fill-in-the-middle here), as vLLM does.
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -138,6 +142,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: continue the last (assistant) message rather than open a new turn, and extra
+    # variables for the chat template (e.g. {"enable_thinking": false} for Qwen3).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     # Function tools (entrypoints/openai/tool_calls.py): checked there, field by field.
     tools: list | None = None
     tool_choice: str | dict | None = None

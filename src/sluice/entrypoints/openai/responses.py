@@ -263,7 +263,7 @@ class ResponsesServing:
             spec, spec_field = tools.grammar, "tool_choice"
         params = sampling_params(req, req.max_output_tokens, None, None, spec)
         await s._compile(spec, spec_field)
-        prompt_ids = await s._off_loop(s._render_chat, messages, True, tools)
+        prompt_ids = await s._off_loop(s._render_chat, messages, tools)
         sched = {**scheduling(req, tenant), "session_id": session_id}
         started = await s._start(rid, [prompt_ids], params, salt, deadline, req.stream, sched)
         if req.stream:

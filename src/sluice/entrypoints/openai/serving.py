@@ -124,6 +124,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
     kwargs = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
                   min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+                  include_stop_str_in_output=req.include_stop_str_in_output,
                   structured_outputs=structured, speculative=getattr(req, "speculative", True))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
@@ -308,6 +309,8 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
         self._check_n(req.n, req.best_of)
+        if req.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         prompt_lp = check_prompt_logprobs(req)
         if req.echo and req.logprobs is not None and (prompt_lp is None or prompt_lp < req.logprobs):
             prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
@@ -439,7 +442,8 @@ class OpenAIServing:
             spec, spec_field = tools.grammar, "tool_choice"
         params = sampling_params(req, max_tokens, logprobs, prompt_lp, spec)
         await self._compile(spec, spec_field)
-        prompt_ids = await self._off_loop(self._render_chat, messages, req.add_generation_prompt, tools)
+        prompt_ids = await self._off_loop(self._render_chat, messages, tools, req.add_generation_prompt,
+                                          req.continue_final_message, req.chat_template_kwargs)
         cid = random_id("chatcmpl")
         started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream, scheduling(req, tenant))
         if req.stream:
@@ -462,16 +466,21 @@ class OpenAIServing:
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
                                       prompt_logprobs=prompt_lps, weight_version=final.weight_version)
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                     tools: "ChatTools | None" = None) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: "ChatTools | None" = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template_kwargs: dict | None = None) -> list[int]:
         template_tools = None
         if tools is not None:
             messages, template_tools = tools.render(messages, self.tokenizer.chat_template)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=template_tools)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=template_tools,
+                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            msg = str(e)
+            param = next((f for f in ("continue_final_message", "chat_template_kwargs") if msg.startswith(f)),
+                         "messages")
+            raise APIError(400, msg, param=param) from None
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or syntax
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         except Exception:  # a template that breaks on this conversation's shape
