@@ -72,6 +72,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # True: a stop string that ends the output stays at its end (vLLM's field).
     include_stop_str_in_output: bool = False
+    # False: special tokens the model emits (other than the one that stops it) are in the text.
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before any
     # other transform (-100 in effect bans a token, +100 all but forces it). Logprobs stay
@@ -134,8 +136,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.logprobs is not None:

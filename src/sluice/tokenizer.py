@@ -104,16 +104,20 @@ class IncrementalDetokenizer:
     """
     CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.skip = skip_special_tokens
         self.ids = list(prompt_token_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return new_text[len(prefix_text):]
@@ -121,7 +125,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back (a truly invalid byte sequence)."""
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""

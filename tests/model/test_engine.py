@@ -200,6 +200,17 @@ def test_stop_string_across_token_boundary(tiny_llm):
     assert_all_blocks_free(tiny_llm)
 
 
+def test_skip_special_tokens_false_shows_them(tiny_llm):
+    tok = tiny_llm.tokenizer
+    special = next(t for t in tok.hf.all_special_ids if t not in tok.eos_token_ids)
+    forced = dict(max_tokens=3, logit_bias={special: 100}, **GREEDY)
+    hidden, shown = tiny_llm.generate([[30, 31], [30, 31]], [SamplingParams(**forced),
+                                                              SamplingParams(skip_special_tokens=False, **forced)])
+    assert hidden.outputs[0].token_ids == shown.outputs[0].token_ids == [special] * 3
+    assert hidden.outputs[0].text == ""
+    assert shown.outputs[0].text == tok.decode([special] * 3, skip_special_tokens=False) != ""
+
+
 def test_chat_continues_a_final_message_and_passes_template_variables(tiny_llm):
     tok = tiny_llm.tokenizer
     conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]

@@ -141,9 +141,16 @@ def test_logit_bias_on_completions_and_chat(client, server):
     wait_all_blocks_free(server.llm)
 
 
-def test_vllm_chat_and_stop_fields(client):
-    """vLLM's include_stop_str_in_output, continue_final_message and chat_template_kwargs;
-    OpenAI's suffix, refused as vLLM does."""
+def test_vllm_chat_and_stop_fields(client, server):
+    """vLLM's include_stop_str_in_output, skip_special_tokens, continue_final_message and
+    chat_template_kwargs; OpenAI's suffix, refused as vLLM does."""
+    tok = server.llm.tokenizer
+    special = next(t for t in tok.hf.all_special_ids if t not in tok.eos_token_ids)
+    for skip in (True, False):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0,
+                                      logit_bias={str(special): 100},
+                                      extra_body={**GREEDY, "skip_special_tokens": skip})
+        assert r.choices[0].text == ("" if skip else tok.decode([special] * 2, skip_special_tokens=False))
     plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, extra_body=GREEDY)
     text = plain.choices[0].text
     stop = text[3:5] if text[3:5].strip() else text[4:6]

@@ -55,7 +55,8 @@ class OutputProcessor:
         for i, child in enumerate(children):
             holdback = max((len(s) for s in child.params.stop), default=1) - 1
             self.samples[child.request_id] = _SampleState(
-                i, request_id, IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+                i, request_id, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                      child.params.skip_special_tokens),
                 holdback=holdback, request=child)
 
     def children_of(self, request_id: str) -> list[str]:

@@ -87,6 +87,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     # vLLM's: keep the stop string that ended the output at its end (default: cut before it).
     include_stop_str_in_output: bool = False
+    # vLLM's: false shows the special tokens the model emits in the text.
+    skip_special_tokens: StrictBool = True
     # OpenAI's {"<token id>": bias in [-100, 100]}; keys are token ids as JSON strings.
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False

@@ -125,6 +125,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
                   min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                   include_stop_str_in_output=req.include_stop_str_in_output,
+                  skip_special_tokens=req.skip_special_tokens,
                   structured_outputs=structured, speculative=getattr(req, "speculative", True))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
