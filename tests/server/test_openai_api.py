@@ -181,6 +181,31 @@ def test_vllm_chat_and_stop_fields(client, server):
         raise AssertionError("suffix accepted")
 
 
+def test_return_token_ids_streamed_or_not(client, server):
+    """vLLM's return_token_ids: the prompt's ids and the output's, which decode to the text."""
+    tok = server.llm.tokenizer
+    body = {**GREEDY, "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0, extra_body=body)
+    choice = r.choices[0]
+    assert choice.prompt_token_ids == tok.encode("Hello there")
+    assert len(choice.token_ids) == 6 and tok.decode(choice.token_ids) == choice.text
+    chunks = [c for c in client.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0,
+                                                   stream=True, extra_body=body) if c.choices]
+    assert chunks[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    assert [t for c in chunks for t in c.choices[0].token_ids] == choice.token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                          extra_body=body)
+    assert chat.prompt_token_ids == tok.encode_chat(messages)
+    assert tok.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True, extra_body=body))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids
+    assert [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])] == chat.choices[0].token_ids
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2)
+    assert getattr(plain.choices[0], "token_ids", None) is None
+
+
 def test_models_health_version_metrics(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL

@@ -128,6 +128,10 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     # OpenAI's insertion suffix: refused (no fill-in-the-middle here), as vLLM does.
     suffix: str | None = None
+    # vLLM's: each choice also carries prompt_token_ids and the output's token_ids (in a
+    # stream: the prompt's in a choice's first chunk, each chunk's new tokens), as RL
+    # trainers read them.
+    return_token_ids: StrictBool = False
 
 
 class ChatMessage(BaseModel):
@@ -148,6 +152,8 @@ class ChatCompletionRequest(_SamplingFields):
     # variables for the chat template (e.g. {"enable_thinking": false} for Qwen3).
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    # vLLM's: prompt_token_ids (the rendered conversation's) and each choice's token_ids.
+    return_token_ids: StrictBool = False
     # Function tools (entrypoints/openai/tool_calls.py): checked there, field by field.
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -189,6 +195,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # return_token_ids (vLLM's extension)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -229,6 +238,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -239,6 +249,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
     # sluice extension: the weights that computed it (a count of updates, or the
     # weight_version a trainer gave its update: POST /v1/weights/update).
     weight_version: str | None = None
@@ -255,6 +266,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -264,6 +276,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in a choice's first chunk
     # sluice extension: the weights that computed it (a count of updates, or the
     # weight_version a trainer gave its update: POST /v1/weights/update).
     weight_version: str | None = None

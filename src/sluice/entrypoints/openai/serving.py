@@ -340,7 +340,8 @@ class OpenAIServing:
                         lp = _concat_logprobs(echo_lps, lp)
                 choices.append(CompletionChoice(
                     index=pi * params.n + c.index, text=prefix + c.text, logprobs=lp,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_lps))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_lps,
+                    **(dict(prompt_token_ids=list(ids), token_ids=list(c.token_ids)) if req.return_token_ids else {})))
         prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
         return CompletionResponse(id=cid, model=self.model_name, choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens,
@@ -363,7 +364,8 @@ class OpenAIServing:
                     if p.done:
                         continue
                     prefix = ""
-                    echo = req.echo and not p.sent_role
+                    first_chunk = not p.sent_role
+                    echo = req.echo and first_chunk
                     if echo:
                         prefix = self._prompt_text(normalize_prompts(req.prompt)[pi], started.prompt_ids[pi])
                         p.echo_len = len(prefix)
@@ -383,9 +385,13 @@ class OpenAIServing:
                     if c.finished:
                         p.done = True
                         completion_tokens += len(c.token_ids)
+                    ids = {}
+                    if req.return_token_ids:
+                        ids = dict(token_ids=list(new_tokens),
+                                   prompt_token_ids=list(started.prompt_ids[pi]) if first_chunk else None)
                     chunk = CompletionResponse(id=cid, model=self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason)], weight_version=out.weight_version)
+                        stop_reason=c.stop_reason, **ids)], weight_version=out.weight_version)
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
@@ -458,14 +464,16 @@ class OpenAIServing:
                 index=c.index, message=ChatResponseMessage(content=content,
                                                            tool_calls=[k.as_openai() for k in calls] or None),
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0) if req.logprobs else None,
-                finish_reason=finish, stop_reason=c.stop_reason))
+                finish_reason=finish, stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None))
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         prompt_tokens = len(started.prompt_ids[0])
         prompt_lps = (prompt_logprobs_json(final.prompt_logprobs, started.prompt_ids[0], req.prompt_logprobs)
                       if req.prompt_logprobs is not None else None)
         return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices,
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
-                                      prompt_logprobs=prompt_lps, weight_version=final.weight_version)
+                                      prompt_logprobs=prompt_lps, weight_version=final.weight_version,
+                                      prompt_token_ids=list(started.prompt_ids[0]) if req.return_token_ids else None)
 
     def _render_chat(self, messages: list[dict], tools: "ChatTools | None" = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -496,9 +504,9 @@ class OpenAIServing:
         top_n = req.top_logprobs or 0
         cached = 0
 
-        def emit(out: RequestOutput, choice: ChatStreamChoice) -> str:
+        def emit(out: RequestOutput, choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[choice],
-                                           weight_version=out.weight_version))
+                                           weight_version=out.weight_version, prompt_token_ids=prompt_token_ids))
         try:
             async for _, out in _merge(started.streams):
                 if out is None:
@@ -512,7 +520,8 @@ class OpenAIServing:
                     if not p.sent_role:
                         p.sent_role = True
                         yield emit(out, ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                            index=c.index, delta=DeltaMessage(role="assistant", content="")),
+                            list(started.prompt_ids[0]) if req.return_token_ids else None)
                     delta = c.text[p.text_len:]
                     new_tokens = c.token_ids[p.tokens:]
                     lp = None
@@ -523,9 +532,12 @@ class OpenAIServing:
                     if tools.active:  # content until a <tool_call> begins; each call once it closes
                         parser = parsers.setdefault(c.index, tools.stream_parser())
                         delta, calls = parser.feed(delta, final=c.finished)
-                    if delta or lp is not None:
+                    # (return_token_ids: every new token is sent, also while a tool call's
+                    # text is held back by the parser.)
+                    if delta or lp is not None or (req.return_token_ids and new_tokens):
                         yield emit(out, ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=delta), logprobs=lp))
+                            index=c.index, delta=DeltaMessage(content=delta), logprobs=lp,
+                            token_ids=list(new_tokens) if req.return_token_ids else None))
                     first = len(parsers[c.index].calls) - len(calls) if calls else 0
                     for k, call in enumerate(calls, start=first):  # k: the call's index in the reply
                         yield emit(out, ChatStreamChoice(
