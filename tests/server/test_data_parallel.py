@@ -114,6 +114,10 @@ def test_completions_and_chat_through_the_router(dp):
     assert httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
     assert client.models.list().data[0].id == MODEL
     assert client.models.retrieve(MODEL).id == MODEL
+    tokens = httpx.post(f"{router.url}/tokenize", json={"prompt": "The weather"},
+                        headers={"Authorization": "Bearer sekret"}).json()["tokens"]
+    assert httpx.post(f"{router.url}/detokenize", json={"tokens": tokens},
+                      headers={"Authorization": "Bearer sekret"}).json()["prompt"] == "The weather"
     lines = httpx.get(f"{router.url}/metrics").text.splitlines()
     for i in (0, 1):  # every replica's series (those it has set so far), with its label
         assert any(ln.startswith("sluice_weight_version_info{") and f'replica="{i}"' in ln for ln in lines)

@@ -206,6 +206,32 @@ def test_return_token_ids_streamed_or_not(client, server):
     assert getattr(plain.choices[0], "token_ids", None) is None
 
 
+def test_tokenize_and_detokenize(server):
+    """vLLM's routes: a prompt as /v1/completions tokenizes it, messages as chat renders them."""
+    tok = server.llm.tokenizer
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tok.encode("Hello there") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == server.llm.max_model_len
+    assert body["token_strs"] == tok.hf.convert_ids_to_tokens(body["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tok.encode_chat(messages) and chat["token_strs"] is None
+    # What the chat route computes for the same messages: its usage counts the same prompt.
+    done = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == chat["count"]
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": chat["tokens"]}).json()
+    assert back["prompt"] == tok.apply_chat_template(messages)
+    for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                             ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
+        r = httpx.post(f"{server.url}{path}", json=bad)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, (path, bad, r.text)
+    assert httpx.post(f"{server.keyed_url}/tokenize", json={"prompt": "a"}).status_code == 401
+    keyed = httpx.post(f"{server.keyed_url}/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer sekret"})
+    assert keyed.status_code == 200
+
+
 def test_models_health_version_metrics(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL

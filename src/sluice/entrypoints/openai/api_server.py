@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
-DELETE), DELETE /v1/sessions/{id}, GET /v1/models[/{id}], /health, /version, /metrics; with
+DELETE), DELETE /v1/sessions/{id}, GET /v1/models[/{id}], POST /tokenize and /detokenize, /health, /version, /metrics; with
 --enable-weight-updates the weight and sleep routes of entrypoints/openai/weights.py. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
 stack trace or internal exception text ever reaches a client, and an unexpected error
 is a 500 on a connection that stays usable. A body over max_request_bytes is refused
@@ -29,8 +29,8 @@ from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFai
                                         ShuttingDownError)
 from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai.errors import APIError, error_json
-from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                                 ModelList)
+from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                 ModelCard, ModelList, TokenizeRequest)
 from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
@@ -307,6 +307,24 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         return {"id": session_id, "object": "session", "deleted": True, "released_blocks": released}
 
     add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, keys, metrics)
+
+    # vLLM's tokenizer routes (outside /v1 as there; with --api-key they need a key too).
+    def check_key(request: Request) -> None:
+        if keys and match_key(keys, request.headers.get("authorization", "")) is None:
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, raw: Request):
+        check_key(raw)
+        check_model(req.model)
+        return await serving.tokenize(req, engine.engine.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, raw: Request):
+        check_key(raw)
+        check_model(req.model)
+        return await serving.detokenize(req, engine.engine.runner.vocab_size)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):

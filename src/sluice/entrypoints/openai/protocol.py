@@ -160,6 +160,35 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt (as /v1/completions tokenizes it) or messages (as
+    /v1/chat/completions renders them), exactly one."""
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text_and_depth(cls, data):
+        check_body(data)
+        return data
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: True for a prompt, False for messages (the rendered template holds its own).
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 

@@ -31,8 +31,8 @@ from sluice.entrypoints.openai.errors import APIError, error_payload, from_value
 from sluice.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DeltaMessage, PromptLogprob, PromptTokensDetails, TopLogprob, UsageInfo,
-    random_id)
+    CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest, PromptLogprob, PromptTokensDetails,
+    TokenizeRequest, TopLogprob, UsageInfo, random_id)
 from sluice.outputs import RequestOutput
 from sluice.request import Logprob
 from sluice.sampling_params import SamplingParams
@@ -426,6 +426,30 @@ class OpenAIServing:
             pos += len(tok)
         return out
 
+    # -- tokenizer routes -----------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest, max_model_len: int) -> dict:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await self._off_loop(lambda: self.tokenizer.encode(req.prompt, add_special_tokens=add_special))
+        else:
+            messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
+            if not messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            tools = ChatTools.of(req.tools, None, True)
+            ids = await self._off_loop(self._render_chat, messages, tools, req.add_generation_prompt,
+                                       req.continue_final_message, req.chat_template_kwargs,
+                                       bool(req.add_special_tokens))
+        strs = self.tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, req: DetokenizeRequest, vocab_size: int) -> dict:
+        if any(not 0 <= t < vocab_size for t in req.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", param="tokens")
+        text = await self._off_loop(lambda: self.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        return {"prompt": text}
+
     # -- chat -----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, salt: str | None = None, tenant: str = ""):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -477,7 +501,7 @@ class OpenAIServing:
 
     def _render_chat(self, messages: list[dict], tools: "ChatTools | None" = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     chat_template_kwargs: dict | None = None) -> list[int]:
+                     chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         template_tools = None
         if tools is not None:
             messages, template_tools = tools.render(messages, self.tokenizer.chat_template)
@@ -495,7 +519,9 @@ class OpenAIServing:
         except Exception:  # a template that breaks on this conversation's shape
             raise APIError(400, "the model's chat template could not render these messages", param="messages") \
                 from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # (The rendered template holds its special tokens; /tokenize may ask for the
+        # tokenizer's own on top, as vLLM's does.)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started, tools: "ChatTools"):
         progress: dict[int, _Progress] = {}

@@ -408,6 +408,15 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         status, body = await call(healthy[0], "GET", "/v1/models", raw)
         return JSONResponse(body, status_code=status)
 
+    for path in ("/tokenize", "/detokenize"):  # any replica: they share the model's tokenizer
+        async def tokenizer_route(raw: Request, path=path):
+            healthy = replicas.healthy()
+            if not healthy:
+                return no_replica()
+            status, body = await call(healthy[0], "POST", path, raw, await json_body(raw))
+            return JSONResponse(body, status_code=status)
+        app.add_api_route(path, tokenizer_route, methods=["POST"])
+
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, raw: Request):
         healthy = replicas.healthy()
