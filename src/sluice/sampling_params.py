@@ -18,6 +18,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # logit_bias: OpenAI's range per token; at most this many tokens per request.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_ALLOWED_TOKEN_IDS = 65536
 
 
 def _int(name: str, value, low: int, high: int = INT32_MAX) -> int:
@@ -79,6 +80,9 @@ class SamplingParams:
     # other transform (-100 in effect bans a token, +100 all but forces it). Logprobs stay
     # those of the model's own distribution, as for every other transform.
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: sample only among these tokens (applied with logit_bias,
+    # before every other transform). Not with structured_outputs (the two could leave none).
+    allowed_token_ids: list[int] | None = None
     logprobs: int | None = None       # None: none; k: the chosen token plus the top k
     # None: none; k: per prompt token (after the first) its logprob and rank plus the top k.
     prompt_logprobs: int | None = None
@@ -153,6 +157,16 @@ class SamplingParams:
                              f"{MAX_STOP_LEN} characters")
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS or any(
+                    isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                                 f"token ids >= 0, got {ids!r}"[:300])
+            self.allowed_token_ids = sorted(set(ids))
+            if self.structured_outputs is not None:
+                raise ValueError("allowed_token_ids cannot be combined with structured_outputs (together they "
+                                 "could allow no token at all)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
@@ -163,7 +177,8 @@ class SamplingParams:
 
     @property
     def has_logit_bias(self) -> bool:
-        return bool(self.logit_bias)
+        """logit_bias or allowed_token_ids: a change to the logits before any transform."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

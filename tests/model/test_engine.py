@@ -163,6 +163,20 @@ def test_logit_bias_forces_and_bans_tokens(tiny_llm, reference):
     assert outs[1].outputs[0].token_ids == expected[3]
     with pytest.raises(ValueError, match="logit_bias"):
         tiny_llm.generate([prompts[0]], SamplingParams(logit_bias={tiny_llm.engine.runner.vocab_size: 1.0}))
+    # allowed_token_ids: only those, greedy or sampled; beside a plain neighbour.
+    allowed = [expected[2][0] + 1, 777, 9000]
+    outs = tiny_llm.generate([prompts[2], prompts[2], prompts[3]],
+                             [SamplingParams(max_tokens=20, allowed_token_ids=allowed, **GREEDY),
+                              SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True,
+                                             allowed_token_ids=allowed),
+                              SamplingParams(max_tokens=30, **GREEDY)])
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs[:2])
+    assert outs[2].outputs[0].token_ids == expected[3]
+    eos = min(tiny_llm.tokenizer.eos_token_ids)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        tiny_llm.generate([prompts[0]], SamplingParams(allowed_token_ids=[eos], min_tokens=1))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        tiny_llm.generate([prompts[0]], SamplingParams(allowed_token_ids=[tiny_llm.engine.runner.vocab_size]))
     assert_all_blocks_free(tiny_llm)
 
 
@@ -303,7 +317,9 @@ def test_abort_frees_everything_and_others_continue(tiny_llm):
     (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(temprature=0.5), "temprature"),
     (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
     (dict(logit_bias={"5": 1}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
-    (dict(logit_bias=[5]), "logit_bias"),
+    (dict(logit_bias=[5]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[5], structured_outputs={"regex": "a"}), "allowed_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -35,6 +35,10 @@ def params():
         ignore_eos=st.booleans(),
         logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0),
                                                         max_size=3)),
+        # 8 distinct ids: more than stop_token_ids and EOS can cover, which with min_tokens would
+        # leave no token (a ValueError at add_request, tested in test_engine).
+        allowed_token_ids=st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=8, max_size=8,
+                                                        unique=True)),
         logprobs=st.one_of(st.none(), st.integers(0, 20), st.just(VOCAB)),
         prompt_logprobs=st.one_of(st.none(), st.integers(0, 5)),
     )

@@ -55,7 +55,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=12)
 SAMPLING_KEYS = ["n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream",
-                 "stream_options", "prompt_logprobs", "max_tokens", "logprobs", "echo", "best_of", "logit_bias"]
+                 "stream_options", "prompt_logprobs", "max_tokens", "logprobs", "echo", "best_of", "logit_bias",
+                 "allowed_token_ids"]
 
 
 def body_of(extra_keys):

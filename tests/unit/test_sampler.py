@@ -190,3 +190,20 @@ def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw():
                  logit_bias=(torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0]), torch.tensor([100.0] * 3)))
     for _ in range(20):
         assert sampler(logits, m).token_ids.tolist() == [0, 0, 0]
+
+
+def test_allowed_token_ids_limit_the_draw_and_leave_logprobs_raw():
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
+    mask = torch.tensor([[True, False, True, False]])  # row 1 may sample only tokens 0 and 2
+    m = meta_for([SamplingParams(temperature=1.0)] * 2, allowed=(torch.tensor([1]), mask), max_num_logprobs=0)
+    m.top_k = m.top_p = m.min_p = None
+    seen = set()
+    for _ in range(50):
+        out = sampler(logits, m)
+        seen.add(out.token_ids[1].item())
+        torch.testing.assert_close(out.logprobs[:, 0], torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None])[:, 0])
+    assert seen == {0, 2}
+    m = meta_for([SamplingParams(temperature=0)] * 2, allowed=(torch.tensor([1]), mask))
+    m.top_k = m.top_p = m.min_p = None
+    assert sampler(logits, m).token_ids.tolist() == [1, 2]

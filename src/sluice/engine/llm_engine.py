@@ -275,6 +275,15 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}) for this model, "
                              f"got {max(params.logit_bias)}")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            if allowed[-1] >= vocab:
+                raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab}) for this model, "
+                                 f"got {allowed[-1]}")
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_token_ids)
+            if params.min_tokens > 0 and set(allowed) <= stops:
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids at first: "
+                                 "no token could be sampled")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:

@@ -229,8 +229,14 @@ class ModelRunner:
         banned = None
         if banned_rows:
             banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
-        bias = None
-        if any(p.has_logit_bias for p in params):
+        bias = allowed = None
+        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if allowed_rows:
+            mask = torch.zeros((len(allowed_rows), V), dtype=torch.bool, device=dev)
+            for r, i in enumerate(allowed_rows):
+                mask[r, torch.tensor(params[i].allowed_token_ids, dtype=torch.long, device=dev)] = True
+            allowed = (torch.tensor(allowed_rows, dtype=torch.long, device=dev), mask)
+        if any(p.logit_bias for p in params):
             bias_rows = [i for i, p in enumerate(params) if p.logit_bias for _ in p.logit_bias]
             bias = (torch.tensor(bias_rows, dtype=torch.long, device=dev),
                     torch.tensor([t for p in params if p.logit_bias for t in p.logit_bias], dtype=torch.long,
@@ -252,7 +258,7 @@ class ModelRunner:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) if any_min_p else None,
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
             output_counts=counts, prompt_mask=prompt_mask, banned=banned,
-            generators=generators, grammar=grammar, logit_bias=bias,
+            generators=generators, grammar=grammar, logit_bias=bias, allowed=allowed,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
 
@@ -290,7 +296,7 @@ class ModelRunner:
             meta = self._sampling_metadata(row_entries, grammar, offsets)
             greedy = None
             if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
-                    and meta.repetition_penalty is None and meta.logit_bias is None
+                    and meta.repetition_penalty is None and meta.logit_bias is None and meta.allowed is None
                     and hasattr(self.model, "greedy_tokens")):
                 # Only the argmax is wanted: the model's fast path for it, where it has one.
                 greedy = self.model.greedy_tokens(rows, meta.grammar)

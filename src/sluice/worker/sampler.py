@@ -42,6 +42,8 @@ class SamplingMetadata:
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias: (rows, token ids, biases), added to those logits before anything else.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (rows [R], their [R, V] bool masks of the tokens they may sample).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -91,6 +93,10 @@ class Sampler:
         if meta.logit_bias is not None:
             rows, ids, bias = meta.logit_bias
             logits = logits.index_put((rows, ids), bias, accumulate=True)
+        if meta.allowed is not None:
+            rows, mask = meta.allowed
+            masked = logits.index_select(0, rows).masked_fill(~mask, float("-inf"))
+            logits = logits.index_copy(0, rows, masked)
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
         if meta.grammar is not None:

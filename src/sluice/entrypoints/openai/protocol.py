@@ -91,6 +91,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     # OpenAI's {"<token id>": bias in [-100, 100]}; keys are token ids as JSON strings.
     logit_bias: dict[str, float] | None = None
+    # vLLM's: sample only among these token ids.
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False

@@ -134,6 +134,8 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
             kwargs[name] = value
     if req.logit_bias is not None:
         kwargs["logit_bias"] = logit_bias_ids(req.logit_bias)
+    if req.allowed_token_ids is not None:
+        kwargs["allowed_token_ids"] = req.allowed_token_ids
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
