@@ -131,6 +131,17 @@ def test_logit_bias_on_completions_and_chat(client, server):
                                           temperature=0.8, seed=1, logit_bias={str(token_id): 100}, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == \
         server.llm.tokenizer.decode([token_id] * 4)
+    # vLLM's allowed_token_ids: one allowed token is the same as forcing it.
+    only = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0.7,
+                                     extra_body={**GREEDY, "allowed_token_ids": [token_id]})
+    assert only.choices[0].text == forced.choices[0].text
+    try:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=1,
+                                  extra_body={"allowed_token_ids": [5], "guided_regex": "a+"})
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "allowed_token_ids", e.body
+    else:
+        raise AssertionError("allowed_token_ids with a grammar accepted")
     for bad in ({"x": 1}, {"5": 101}, {"-1": 1}, {"99999999": 1}):
         try:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, logit_bias=bad)
