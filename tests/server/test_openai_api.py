@@ -243,6 +243,22 @@ def test_tokenize_and_detokenize(server):
     assert keyed.status_code == 200
 
 
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens so far."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [c for c in client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                                                   stream=True, stream_options=opts, extra_body=GREEDY)]
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted == sorted(counted) and counted[-1] == 5
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+    chat = [c for c in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4, stream=True, stream_options=opts)]
+    assert all(c.usage is not None for c in chat)
+    assert chat[0].usage.prompt_tokens == chat[-1].usage.prompt_tokens > 0
+    plain = [c for c in client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True) if c.choices]
+    assert all(c.usage is None for c in plain)
+
+
 def test_models_health_version_metrics(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL

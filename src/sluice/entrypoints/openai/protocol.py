@@ -43,6 +43,8 @@ def check_body(value) -> None:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: every chunk also carries its choice's usage so far (prompt + tokens sent).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):

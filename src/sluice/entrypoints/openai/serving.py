@@ -354,6 +354,7 @@ class OpenAIServing:
         progress: dict[int, _Progress] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         try:
             async for pi, out in _merge(started.streams):
                 if out is None:
@@ -391,9 +392,11 @@ class OpenAIServing:
                     if req.return_token_ids:
                         ids = dict(token_ids=list(new_tokens),
                                    prompt_token_ids=list(started.prompt_ids[pi]) if first_chunk else None)
+                    so_far = (usage(len(started.prompt_ids[pi]), len(c.token_ids), out.num_cached_tokens)
+                              if continuous else None)
                     chunk = CompletionResponse(id=cid, model=self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason, **ids)], weight_version=out.weight_version)
+                        stop_reason=c.stop_reason, **ids)], weight_version=out.weight_version, usage=so_far)
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
@@ -531,10 +534,13 @@ class OpenAIServing:
         completion_tokens = 0
         top_n = req.top_logprobs or 0
         cached = 0
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        so_far: UsageInfo | None = None  # continuous_usage_stats: the current choice's
 
         def emit(out: RequestOutput, choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[choice],
-                                           weight_version=out.weight_version, prompt_token_ids=prompt_token_ids))
+                                           weight_version=out.weight_version, prompt_token_ids=prompt_token_ids,
+                                           usage=so_far))
         try:
             async for _, out in _merge(started.streams):
                 if out is None:
@@ -545,6 +551,8 @@ class OpenAIServing:
                     p = progress.setdefault(c.index, _Progress())
                     if p.done:
                         continue
+                    if continuous:
+                        so_far = usage(len(started.prompt_ids[0]), len(c.token_ids), out.num_cached_tokens)
                     if not p.sent_role:
                         p.sent_role = True
                         yield emit(out, ChatStreamChoice(
