@@ -114,6 +114,8 @@ def test_completions_and_chat_through_the_router(dp):
     assert httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
     assert client.models.list().data[0].id == MODEL
     assert client.models.retrieve(MODEL).id == MODEL
+    stored = client.responses.create(model=MODEL, input="hello", max_output_tokens=2)
+    assert client.responses.input_items.list(stored.id).data[0].content[0].text == "hello"  # found where stored
     tokens = httpx.post(f"{router.url}/tokenize", json={"prompt": "The weather"},
                         headers={"Authorization": "Bearer sekret"}).json()["tokens"]
     assert httpx.post(f"{router.url}/detokenize", json={"tokens": tokens},

@@ -201,9 +201,25 @@ def test_responses_plain_streamed_and_stored(client, server):
     assert text == r.output_text == events[-1].response.output_text
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text
+    items = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Say something")]
+    many = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": [{"type": "input_text", "text": "three"}]}])
+    newest = client.responses.input_items.list(many.id, limit=2)  # OpenAI's default order: newest first
+    assert [i.content[0].text for i in newest.data] == ["three", "two"] and newest.has_more
+    rest = client.responses.input_items.list(many.id, after=newest.last_id)
+    assert [i.content[0].text for i in rest.data] == ["one"] and not rest.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(many.id, order="asc").data] == \
+        ["one", "two", "three"]
+    with pytest.raises(Exception, match="400"):
+        client.responses.input_items.list(many.id, limit=0)
     client.responses.delete(r.id)
     with pytest.raises(Exception, match="404"):
         client.responses.retrieve(r.id)
+    with pytest.raises(Exception, match="404"):
+        client.responses.input_items.list(r.id)
+    client.responses.delete(many.id)
     wait_all_blocks_free(server.llm)
 
 

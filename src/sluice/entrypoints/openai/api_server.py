@@ -31,7 +31,7 @@ from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ModelCard, ModelList, TokenizeRequest)
-from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
+from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing, input_items_page
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
 from sluice.entrypoints.openai.weights import add_weight_routes
@@ -283,6 +283,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         if stored is None:
             raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
         return stored.response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_response_input_items(response_id: str, raw: Request, user: str | None = None, limit: int = 20,
+                                       order: str = "desc", after: str | None = None):
+        stored = responses.store.get(identity(raw, user)[0], response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
+        return input_items_page(stored, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request, user: str | None = None):

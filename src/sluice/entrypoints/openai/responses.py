@@ -64,6 +64,7 @@ class Stored:
     response: dict               # the response object as returned
     messages: list[dict]         # the conversation up to and including this response's output
     session_id: str              # its chain's session
+    input_items: list[dict] = field(default_factory=list)  # its request's input, as items with ids
 
 
 @dataclass
@@ -124,6 +125,42 @@ def input_messages(items, field_name: str = "input") -> list[dict]:
             raise APIError(400, f"{where}: unsupported input item type {kind!r} (message, function_call and "
                                 f"function_call_output are)", param=field_name)
     return out
+
+
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items_of(items) -> list[dict]:
+    """A request's input as GET /v1/responses/{id}/input_items lists it: items with ids, a
+    message's string content as one input_text part (already checked by input_messages)."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for item in items:
+        item = {"type": item.get("type", "message"), **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        item.setdefault("id", _id(_ITEM_PREFIX.get(item["type"], "item")))
+        out.append(item)
+    return out
+
+
+def input_items_page(stored: Stored, limit: int, order: str, after: str | None) -> dict:
+    """OpenAI's list shape, newest first by default (order=desc), `after` an item id."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def _text(item: dict, where: str) -> str:
@@ -281,7 +318,8 @@ class ResponsesServing:
 
     def _keep(self, req, tenant, resp, conversation, session_id) -> None:
         if req.store:
-            self.store.put(tenant, Stored(resp, conversation + messages_of_output(resp["output"]), session_id))
+            self.store.put(tenant, Stored(resp, conversation + messages_of_output(resp["output"]), session_id,
+                                          input_items_of(req.input)))
 
     async def _stream(self, rid, req, started, tools, conversation, session_id, tenant):
         from sluice.entrypoints.openai.serving import _ENGINE_ERRORS, _merge, api_error

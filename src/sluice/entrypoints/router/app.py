@@ -380,13 +380,14 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         status, body = answers[0] if answers else (503, error_payload(503, "no replica is up"))
         return JSONResponse(body, status_code=status)
 
-    async def stored_response(raw: Request, response_id: str, method: str):
+    async def stored_response(raw: Request, response_id: str, method: str, suffix: str = ""):
         """The replica that stored a response first, then the others until one has it."""
         first = policy.responses.get(response_id)
         order = sorted(up(), key=lambda i: i != first)
         status, body = 404, error_payload(404, f"no stored response {response_id!r}")
         for i in order:
-            status, body = await call(i, method, f"/v1/responses/{response_id}", raw, params=dict(raw.query_params))
+            status, body = await call(i, method, f"/v1/responses/{response_id}{suffix}", raw,
+                                      params=dict(raw.query_params))
             if status != 404:
                 break
         return JSONResponse(body, status_code=status)
@@ -398,6 +399,10 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request):
         return await stored_response(raw, response_id, "DELETE")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw: Request):
+        return await stored_response(raw, response_id, "GET", "/input_items")
 
     # -- any replica -------------------------------------------------------------
     @app.get("/v1/models")
