@@ -63,17 +63,21 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(BaseModel):
-    # Unknown fields are ignored, as OpenAI's own server does, so clients that send
-    # newer parameters keep working. NaN and Infinity (which Python's JSON parser
-    # accepts) are refused in every float field.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+class _CheckedBody(BaseModel):
+    """A request body that check_body() has seen before any field is parsed."""
 
     @model_validator(mode="before")
     @classmethod
     def _valid_text_and_depth(cls, data):
         check_body(data)
         return data
+
+
+class _SamplingFields(_CheckedBody):
+    # Unknown fields are ignored, as OpenAI's own server does, so clients that send
+    # newer parameters keep working. NaN and Infinity (which Python's JSON parser
+    # accepts) are refused in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1
@@ -164,16 +168,10 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_CheckedBody):
     """vLLM's POST /tokenize: a prompt (as /v1/completions tokenizes it) or messages (as
     /v1/chat/completions renders them), exactly one."""
     model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text_and_depth(cls, data):
-        check_body(data)
-        return data
 
     model: str | None = None
     prompt: str | None = None
