@@ -259,6 +259,33 @@ def test_continuous_usage_stats(client):
     assert all(c.usage is None for c in plain)
 
 
+def test_truncate_prompt_tokens_keeps_the_end(client, server):
+    long = "one two three four five six seven eight nine ten " * 3
+    ids = server.llm.tokenizer.encode(long)
+    r = client.completions.create(model=MODEL, prompt=long, max_tokens=3, temperature=0, logprobs=0,
+                                  extra_body={**GREEDY, "truncate_prompt_tokens": 5})
+    same = client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=3, temperature=0, logprobs=0,
+                                     extra_body=GREEDY)
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text == same.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=long, max_tokens=1, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert echoed.choices[0].text.startswith(server.llm.tokenizer.decode(ids[-5:]))
+    too_long = "word " * (server.llm.max_model_len + 10)
+    with_all = client.completions.create(model=MODEL, prompt=too_long, max_tokens=1,
+                                         extra_body={"truncate_prompt_tokens": server.llm.max_model_len - 1})
+    assert with_all.usage.prompt_tokens == server.llm.max_model_len - 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage.prompt_tokens == 7
+    for bad in (0, -2):
+        try:
+            client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"truncate_prompt_tokens": bad})
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "truncate_prompt_tokens"
+        else:
+            raise AssertionError(f"accepted {bad}")
+
+
 def test_models_health_version_metrics(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL

@@ -99,6 +99,8 @@ class _SamplingFields(_CheckedBody):
     logit_bias: dict[str, float] | None = None
     # vLLM's: sample only among these token ids.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: StrictInt | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False

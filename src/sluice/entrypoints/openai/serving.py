@@ -291,6 +291,19 @@ class OpenAIServing:
             out[i] = ids
         return out
 
+    def _truncate(self, req, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context's
+        length), so that a client can send more history than fits and keep its end."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.engine.engine.max_model_len
+        if k < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {req.truncate_prompt_tokens}",
+                           param="truncate_prompt_tokens")
+        return ids[-k:]
+
     async def _compile(self, spec: StructuredOutputsParams | None, field: str | None) -> None:
         """Compile the request's grammar off the event loop and the engine thread, within
         the compile time limit; a grammar llguidance refuses is a 400 naming the field."""
@@ -321,14 +334,15 @@ class OpenAIServing:
         params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp, spec)
         await self._compile(spec, spec_field)
         cid = random_id("cmpl")
-        started = await self._start(cid, await self._tokenize_prompts(prompts), params, salt, deadline, req.stream,
+        prompt_ids = [self._truncate(req, ids) for ids in await self._tokenize_prompts(prompts)]
+        started = await self._start(cid, prompt_ids, params, salt, deadline, req.stream,
                                     scheduling(req, tenant))
         if req.stream:
             return self._completion_stream(cid, req, started, params.n)
         finals = await self._finals(started)
         choices, completion_tokens = [], 0
         for pi, (out, ids) in enumerate(zip(finals, started.prompt_ids)):
-            prefix = self._prompt_text(prompts[pi], ids) if req.echo else ""
+            prefix = self._prompt_text(prompts[pi], ids, req.truncate_prompt_tokens is not None) if req.echo else ""
             prompt_lps = (prompt_logprobs_json(out.prompt_logprobs, ids, req.prompt_logprobs)
                           if req.prompt_logprobs is not None else None)
             echo_lps = (self._completion_logprobs(out.prompt_logprobs, ids, 0, 0, req.logprobs)
@@ -370,7 +384,8 @@ class OpenAIServing:
                     first_chunk = not p.sent_role
                     echo = req.echo and first_chunk
                     if echo:
-                        prefix = self._prompt_text(normalize_prompts(req.prompt)[pi], started.prompt_ids[pi])
+                        prefix = self._prompt_text(normalize_prompts(req.prompt)[pi], started.prompt_ids[pi],
+                                                   req.truncate_prompt_tokens is not None)
                         p.echo_len = len(prefix)
                     p.sent_role = True
                     delta = prefix + c.text[p.text_len:]
@@ -409,8 +424,10 @@ class OpenAIServing:
         finally:
             self._abort(started)
 
-    def _prompt_text(self, prompt, ids: list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+    def _prompt_text(self, prompt, ids: list[int], truncated: bool = False) -> str:
+        """The prompt as echo shows it: as sent, or its ids decoded (token ids sent, or a
+        prompt cut by truncate_prompt_tokens)."""
+        return prompt if isinstance(prompt, str) and not truncated else self.tokenizer.decode(ids)
 
     def _completion_logprobs(self, entries, token_ids, text_start: int, offset: int,
                              top_n: int) -> CompletionLogprobs:
@@ -478,8 +495,9 @@ class OpenAIServing:
             spec, spec_field = tools.grammar, "tool_choice"
         params = sampling_params(req, max_tokens, logprobs, prompt_lp, spec)
         await self._compile(spec, spec_field)
-        prompt_ids = await self._off_loop(self._render_chat, messages, tools, req.add_generation_prompt,
-                                          req.continue_final_message, req.chat_template_kwargs)
+        prompt_ids = self._truncate(req, await self._off_loop(
+            self._render_chat, messages, tools, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs))
         cid = random_id("chatcmpl")
         started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream, scheduling(req, tenant))
         if req.stream:
