@@ -176,11 +176,6 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def has_logit_bias(self) -> bool:
-        """logit_bias or allowed_token_ids: a change to the logits before any transform."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
-
-    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

@@ -277,27 +277,27 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         tenant, cache_salt = salt(raw, req)
         return await handle(raw, responses.create(req, cache_salt, tenant))
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, raw: Request, user: str | None = None):
-        stored = responses.store.get(identity(raw, user)[0], response_id)
+    def stored_response(tenant: str, response_id: str):
+        stored = responses.store.get(tenant, response_id)
         if stored is None:
             raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
-        return stored.response
+        return stored
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request, user: str | None = None):
+        return stored_response(identity(raw, user)[0], response_id).response
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def get_response_input_items(response_id: str, raw: Request, user: str | None = None, limit: int = 20,
                                        order: str = "desc", after: str | None = None):
-        stored = responses.store.get(identity(raw, user)[0], response_id)
-        if stored is None:
-            raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
-        return input_items_page(stored, limit, order, after)
+        return input_items_page(stored_response(identity(raw, user)[0], response_id), limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request, user: str | None = None):
         """Forget a stored response, and release its chain's pinned KV (only a speed-up)."""
         tenant = identity(raw, user)[0]
-        stored = responses.store.get(tenant, response_id)
-        if stored is None or not responses.store.delete(tenant, response_id):
+        stored = stored_response(tenant, response_id)
+        if not responses.store.delete(tenant, response_id):  # another delete got there first
             raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
         await engine.release_session(stored.session_id, tenant)
         return {"id": response_id, "object": "response", "deleted": True}
@@ -316,7 +316,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
 
     add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, keys, metrics)
 
-    # vLLM's tokenizer routes (outside /v1 as there; with --api-key they need a key too).
+    # Routes outside /v1 that still need a key with --api-key (the middleware guards /v1):
+    # vLLM's tokenizer routes and the admin action of resetting the prefix cache.
     def check_key(request: Request) -> None:
         if keys and match_key(keys, request.headers.get("authorization", "")) is None:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -336,9 +337,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):
-        if keys:  # an admin action: needs a key even though it is not under /v1
-            if match_key(keys, request.headers.get("authorization", "")) is None:
-                return error_json(401, "missing or invalid API key", code="invalid_api_key")
+        check_key(request)
         return {"reset_blocks": await engine.reset_prefix_cache()}
 
     def model_card() -> ModelCard:

@@ -404,31 +404,26 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     async def response_input_items(response_id: str, raw: Request):
         return await stored_response(raw, response_id, "GET", "/input_items")
 
-    # -- any replica -------------------------------------------------------------
-    @app.get("/v1/models")
-    async def models(raw: Request):
+    # -- any replica (they serve the same model and tokenizer) ------------------
+    async def any_replica(raw: Request, method: str, path: str, body: dict | None = None):
         healthy = replicas.healthy()
         if not healthy:
             return no_replica()
-        status, body = await call(healthy[0], "GET", "/v1/models", raw)
-        return JSONResponse(body, status_code=status)
+        status, answer = await call(healthy[0], method, path, raw, body)
+        return JSONResponse(answer, status_code=status)
 
-    for path in ("/tokenize", "/detokenize"):  # any replica: they share the model's tokenizer
-        async def tokenizer_route(raw: Request, path=path):
-            healthy = replicas.healthy()
-            if not healthy:
-                return no_replica()
-            status, body = await call(healthy[0], "POST", path, raw, await json_body(raw))
-            return JSONResponse(body, status_code=status)
-        app.add_api_route(path, tokenizer_route, methods=["POST"])
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        return await any_replica(raw, "GET", "/v1/models")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, raw: Request):
-        healthy = replicas.healthy()
-        if not healthy:
-            return no_replica()
-        status, body = await call(healthy[0], "GET", "/v1/models/" + quote(model_id, safe="/"), raw)
-        return JSONResponse(body, status_code=status)
+        return await any_replica(raw, "GET", "/v1/models/" + quote(model_id, safe="/"))
+
+    for path in ("/tokenize", "/detokenize"):
+        async def tokenizer_route(raw: Request, path=path):
+            return await any_replica(raw, "POST", path, await json_body(raw))
+        app.add_api_route(path, tokenizer_route, methods=["POST"])
 
     @app.get("/health")
     async def health():
