@@ -69,7 +69,8 @@ class Metrics:
         self.session_events = Counter("sluice_session_events", "Session pins and their ends: pinned (a call ended "
                                       "and pinned its KV), hit (a call found its pin), expired (TTL), released "
                                       "(DELETE), evicted_for_cap, evicted_for_room (a running request needed the "
-                                      "blocks)", labels + ["event"], registry=r)
+                                      "blocks), held_at_door (a new program waited at the program policy's door)",
+                                      labels + ["event"], registry=r)
         self.tpot_target = Gauge("sluice_tpot_target_seconds", "The step-time target (--target-tpot-ms), 0: none",
                                  labels, registry=r)
         self.tpot_target_misses = Counter("sluice_tpot_target_misses", "Steps with decodes that took longer than "
@@ -153,7 +154,7 @@ class Metrics:
         self.sessions.labels(m).set(len(sched.sessions.sessions))
         for event, count in (("pinned", st.pinned_calls), ("hit", st.hits), ("expired", st.expired),
                              ("released", st.released), ("evicted_for_cap", st.evicted_for_cap),
-                             ("evicted_for_room", st.evicted_for_room)):
+                             ("evicted_for_room", st.evicted_for_room), ("held_at_door", st.held_at_door)):
             self.session_events.labels(m, event).inc(_delta(count, self._session_seen.get(event, 0)))
             self._session_seen[event] = count
         masks, grammars = engine.runner.masks, engine.grammars

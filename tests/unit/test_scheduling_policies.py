@@ -125,6 +125,52 @@ def test_program_admits_warm_calls_first():
     assert s.sessions.stats.hits == 2 and s.sessions.stats.expired == 1   # (x2's admission took x's pin too)
 
 
+def test_program_holds_new_programs_at_the_door_while_live_ones_fill_the_pin_budget():
+    clock = Clock()
+    # 16 blocks of 4; the pin budget (max_pinned_fraction 0.5) is 8 blocks.
+    s = make(num_blocks=16, policy="program", clock=clock)
+    s.add_request(req("a-1", [1000 + j for j in range(20)], max_tokens=8, arrival=clock.t, session_id="a"))
+    step(s)                                            # a-1 holds 6 blocks
+    s.add_request(req("b-1", [2000 + j for j in range(16)], max_tokens=2, arrival=clock.t, session_id="b"))
+    s.add_request(req("solo", [3000 + j for j in range(4)], max_tokens=2, arrival=clock.t + 1))
+    ran: list[str] = []
+    while "a-1" in s.requests:
+        plan, _ = step(s)
+        ran += [e.request_id for e in plan.scheduled]
+    # b (a new program, 4 blocks) waited: 6 live blocks + 4 > 8. A call without a session
+    # passes the door.
+    assert "solo" in ran and "b-1" not in ran
+    assert s.sessions.stats.held_at_door == 1
+    assert s.sessions.get(("", "a")).num_pinned == 6   # a-1's 27 computed tokens
+    # a's next call is inside already; it is admitted (warm) while b still waits.
+    s.add_request(req("a-2", [1000 + j for j in range(20)] + [TOK] * 8 + [5, 6], max_tokens=2,
+                      arrival=clock.t + 2, session_id="a"))
+    plan, _ = step(s)
+    assert [e.request_id for e in plan.scheduled] == ["a-2"]
+    admission_order(s)                                 # a-2 ends and pins 7 blocks; b-1 runs alone
+    assert "b-1" not in s.requests and s.sessions.stats.held_at_door == 1
+    # With nothing running the door is open whatever is pinned (work-conserving).
+    s.add_request(req("c-1", [4000 + j for j in range(16)], max_tokens=2, arrival=clock.t + 3, session_id="c"))
+    assert admission_order(s) == ["c-1"]
+
+
+@pytest.mark.parametrize("pins", [True, False])
+def test_the_door_bounds_a_new_programs_wait_and_is_off_without_pins(pins):
+    clock = Clock()
+    s = make(num_blocks=16, policy="program", clock=clock, session_ttl_max_s=100.0,
+             **({} if pins else {"session_ttl_s": 0.0}))
+    s.add_request(req("a-1", [1000 + j for j in range(20)], max_tokens=30, arrival=clock.t, session_id="a"))
+    step(s)
+    s.add_request(req("b-1", [2000 + j for j in range(16)], max_tokens=2, arrival=clock.t, session_id="b"))
+    plan, _ = step(s)
+    assert [e.request_id for e in plan.scheduled] == (["a-1"] if pins else ["a-1", "b-1"])
+    if pins:
+        clock.t += 100          # b has waited session_ttl_max_s: it passes, though a-1 still runs
+        plan, _ = step(s)
+        assert [e.request_id for e in plan.scheduled] == ["a-1", "b-1"]
+    assert s.sessions.stats.held_at_door == (1 if pins else 0)
+
+
 def test_fair_interleaves_tenants_by_counter():
     # Each request costs 4 prompt tokens + 2 outputs x 2 = 8. Tenant A floods first; B
     # arrives after and is lifted to A's counter (0, nothing served yet); then the lower

@@ -23,6 +23,10 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             waits its pin holds cache that serves nobody; under PLAS alone a long
             program's pinned next call waited behind every new program, and its pin was
             pushed out (cap, room) before it ran (docs/benchmarks.md, "Agent programs").
+            And a door: a new program's first call enters only while the live programs'
+            KV (running calls' blocks and pins) leaves room for its prompt within the pin
+            budget (max_pinned_fraction of the cache); else it waits until live programs
+            finish, and the earliest new program that fits enters first (_door_open).
   fair      VTC: the waiting request of the tenant with the lowest counter (weighted tokens
             served / weight) first, in arrival order within a tenant; the running request of
             the tenant with the highest counter is preempted.
@@ -198,11 +202,45 @@ class Scheduler:
                 if now - r.arrival_time >= starve:
                     return (0, 0, r.arrival_time)  # starved: ahead of the rest, oldest first
                 return (1, not self._is_warm(r), self._service(r), r.arrival_time)
-            return min(self.waiting, key=key)
+            door_open = self._door_open(now)
+            inside = [r for r in self.waiting if door_open(r)]
+            return min(inside, key=key) if inside else None
         # fair: the lowest-counter tenant's earliest request (waiting keeps arrival order,
         # preempted requests at the front).
         tenant = min({r.tenant for r in self.waiting}, key=lambda t: (self.tenants.counter(t), t))
         return next(r for r in self.waiting if r.tenant == tenant)
+
+    def _door_open(self, now: float):
+        """`program`'s door: a new program (a session's first call, never admitted yet)
+        enters only while the live programs' KV (blocks held by running calls and pins)
+        and its prompt fit the pin budget (max_pinned_fraction of the cache); else it
+        waits until live programs finish. Without it, at a load past what the cache
+        holds, each new program's history pushed out a live one's, whose next call then
+        recomputed its whole history: hits fell to ~20%, and the server's capacity with
+        them (docs/benchmarks.md, "Agent programs").
+
+        Passing without a check: calls of programs already inside, calls without a
+        session, any call when nothing runs, a prompt too big to be pinned anyway, every
+        call when pins are off, and a new program that has waited session_ttl_max_s (the
+        longest a pin is held after a call: past it the door is shut by sessions that
+        keep calling, which must not shut it for good; a bound as short as starvation_s
+        reopened the thrash at loads past capacity)."""
+        used = self.kv.num_blocks - self.kv.num_free_blocks
+        budget = self.sessions.max_pinned
+        pins_off = budget <= 0 or self.sessions.ttl_s <= 0
+
+        def door_open(r: Request) -> bool:
+            if (pins_off or r.session is None or r.session.calls > 1 or r.first_scheduled_time is not None
+                    or not self.running or now - r.arrival_time >= self.sessions.ttl_max_s):
+                return True
+            need = self.kv.blocks_needed(r.num_tokens)
+            if need > budget or used + need <= budget:
+                return True
+            if not r.session.held_at_door:
+                r.session.held_at_door = True
+                self.sessions.stats.held_at_door += 1
+            return False
+        return door_open
 
     def _victim(self) -> Request:
         """The running request the policy preempts when the pool runs dry."""
@@ -292,6 +330,8 @@ class Scheduler:
         while (not preempted and admit_more and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting(now)
+            if req is None:
+                break
             prefix = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
             # While sessions hold pins, an admission leaves a free block per running request

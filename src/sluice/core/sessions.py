@@ -62,6 +62,7 @@ class Session:
     service: int = 0                     # tokens computed for all its calls
     calls: int = 0
     active: int = 0                      # calls queued or running now
+    held_at_door: bool = False           # its first call waited at `program`'s door
 
     @property
     def num_pinned(self) -> int:
@@ -77,6 +78,7 @@ class SessionStats:
     evicted_for_cap: int = 0     # pins dropped to stay under max_pinned_fraction
     evicted_for_room: int = 0    # pins dropped so that a running request could grow
     dropped_sessions: int = 0    # sessions forgotten to stay under max_sessions
+    held_at_door: int = 0        # new programs whose first call waited at `program`'s door
 
 
 class SessionTable:
