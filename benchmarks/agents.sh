@@ -5,7 +5,8 @@
 #  programs: the same seeded agent load on
 #    fcfs      `--scheduling-policy fcfs`, calls without session_id (today's engines:
 #              prefix caching on, its blocks evicted by LRU during tool calls)
-#    program   `--scheduling-policy program`, calls with session_id (pinned KV + PLAS)
+#    program   `--scheduling-policy program`, calls with session_id (pinned KV, warm calls
+#              first, PLAS, the door for new programs)
 #  fairness: one light tenant's programs,
 #    alone     by themselves (its baseline), on `--scheduling-policy fair`
 #    fair      beside a heavy tenant sending HEAVY times its programs, on `fair`

@@ -26,8 +26,7 @@ def load(outdir: Path, prefix: str) -> list[dict]:
 def main() -> None:
     outdir = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/agents")
     rows = []
-    for cfg, label in (("fcfs", "fcfs, no sessions"), ("program", "program + sessions"),
-                       ("plas", "PLAS alone (before warm-first) + sessions")):
+    for cfg, label in (("fcfs", "fcfs, no sessions"), ("program", "program + sessions")):
         runs = load(outdir, f"programs_{cfg}")
         if not runs:
             continue
