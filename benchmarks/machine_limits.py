@@ -1,10 +1,10 @@
 """What the cores and memory can do, per ISA build: the ceilings the kernels are judged by.
 
-    python benchmarks/machine_limits.py [--isa avx2|avx512]
+    python benchmarks/machine_limits.py [--isa avx2|avx2_vnni|avx512]
 
 - fp32 FMA: GFLOP/s of independent vfmadd231ps chains (12 accumulators), one core and all;
 - int8 dot products as the build does them: AVX2's vpmaddubsw + vpmaddwd + vpaddd (w8a8's
-  inner step) or AVX-512 VNNI's vpdpbusd, in G int8 ops/s (a multiply and an add per
+  inner step), AVX-VNNI's 256-bit vpdpbusd (avx2_vnni) or AVX-512 VNNI's vpdpbusd, in G int8 ops/s (a multiply and an add per
   byte pair), one core and all;
 - memory: GB/s of reading a 1 GiB buffer with vector loads, all cores.
 Each figure is the best of 5 runs (a ceiling, not a typical value).
@@ -83,6 +83,15 @@ double int8_peak(int64_t iters, int threads) {
       for (int i = 0; i < 8; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
     for (int i = 1; i < 8; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
     sink += _mm512_reduce_add_epi32(acc[0]);
+#elif defined(__AVXVNNI__)
+    // AVX-VNNI's 256-bit vpdpbusd (VEX), the avx2_vnni build's inner step.
+    const VI x = _mm256_set1_epi32(0x01020304);
+    for (int64_t it = 0; it < iters; ++it)
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_dpbusd_avx_epi32(acc[i], w, x);
+    for (int i = 1; i < 8; ++i) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
+    alignas(32) int32_t out[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), acc[0]);
+    sink += out[0];
 #else
     // Six chains, each with its own weights, which an empty asm marks as changed every
     // iteration: without it the compiler hoists the loop-invariant products out of the loop.
@@ -104,7 +113,7 @@ double int8_peak(int64_t iters, int threads) {
 #endif
   }
   if (sink == 12345) printf("%ld", static_cast<long>(sink));
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVXVNNI__)
   return 2.0 * LANES * 4 * 8 * iters * threads;
 #else
   return 2.0 * LANES * 4 * 6 * iters * threads;
@@ -131,7 +140,8 @@ double read_bw(torch::Tensor buf, int threads) {
 }
 """
 
-FLAGS = {"avx512": ["-march=x86-64-v4", "-mavx512vnni"], "avx2": ["-march=x86-64-v3"]}
+FLAGS = {"avx512": ["-march=x86-64-v4", "-mavx512vnni"], "avx2_vnni": ["-march=x86-64-v3", "-mavxvnni"],
+         "avx2": ["-march=x86-64-v3"]}
 
 
 def best_rate(fn, *args) -> float:
@@ -151,7 +161,7 @@ def main() -> None:
                       functions=["fma_peak", "int8_peak", "read_bw"],
                       extra_cflags=["-O3", "-funroll-loops", "-fopenmp", *FLAGS[args.isa]], extra_ldflags=["-fopenmp"])
     threads = torch.get_num_threads()
-    op = "vpdpbusd" if args.isa == "avx512" else "vpmaddubsw + vpmaddwd + vpaddd"
+    op = {"avx512": "vpdpbusd", "avx2_vnni": "vpdpbusd (VEX, 256 bits)"}.get(args.isa, "vpmaddubsw + vpmaddwd + vpaddd")
     print(f"isa {args.isa}, {threads} threads")
     for t in sorted({1, threads}):
         print(f"fp32 FMA, {t} core(s): {best_rate(mod.fma_peak, 20_000_000 // t, t) / 1e9:.0f} GFLOP/s")

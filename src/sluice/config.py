@@ -50,8 +50,8 @@ class ModelConfig:
     # whatever shares its batch (docs/determinism.md).
     deterministic: bool = False
     # Which build of sluice's CPU kernels runs: "auto" (the best this CPU executes),
-    # "avx512", "avx2" (forces the AVX2 build, e.g. to test it on an AVX-512 machine) or
-    # "generic" (none: torch's own ops). backends/platform.py.
+    # "avx512", "avx2_vnni" or "avx2" (force a lower build, e.g. to test it on an AVX-512
+    # machine) or "generic" (none: torch's own ops). backends/platform.py.
     cpu_isa: str = "auto"
 
 

@@ -22,6 +22,8 @@ ZEN4 = CpuInfo("AMD EPYC 9B14 96-Core Processor",
 ICELAKE = CpuInfo("Intel Xeon Platinum 8375C", V3 | {"avx512f", "avx512bw", "avx512cd", "avx512vl", "avx512dq",
                                                      "avx512_vnni"}, True)   # AVX-512 without BF16
 OLD = CpuInfo("Intel Xeon E5-2670", frozenset(), False)                     # Sandy Bridge: AVX only
+ALDERLAKE = CpuInfo("12th Gen Intel Core i7-1260P", V3 | {"avx_vnni"}, False)  # AVX2 + AVX-VNNI, no AVX-512
+SPR = CpuInfo("Intel Xeon Platinum 8481C", ZEN4.flags | {"avx_vnni", "amx_bf16"}, True)
 
 
 @pytest.fixture
@@ -35,6 +37,9 @@ def test_kernel_builds_each_cpu_runs():
     assert ZEN4.isas == ("avx512", "avx2", "generic")
     assert ZEN3.isas == ICELAKE.isas == ("avx2", "generic")
     assert OLD.isas == ("generic",)
+    assert ALDERLAKE.isas == ("avx2_vnni", "avx2", "generic")
+    assert SPR.isas == ("avx512", "avx2_vnni", "avx2", "generic")
+    assert ALDERLAKE.resolve_isa("auto") == "avx2_vnni" and SPR.resolve_isa("avx2_vnni") == "avx2_vnni"
     info = platform.cpu()
     assert info.isas[-1] == "generic" and info.describe()
     assert ZEN4.resolve_isa("auto") == "avx512" and ZEN4.resolve_isa("avx2") == "avx2"
@@ -45,13 +50,17 @@ def test_a_build_the_cpu_cannot_run_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^cpu_isa='avx512' needs avx512f, .*avx512_vnni, which AMD EPYC 7B13 .* "
                                          r"lacks; what runs here: avx2, generic$"):
         ZEN3.resolve_isa("avx512")
-    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512, avx2, generic"):
+    with pytest.raises(ValueError, match=r"^cpu_isa='avx2_vnni' needs avx_vnni, which AMD EPYC 9B14 .* lacks; "
+                                         r"what runs here: avx512, avx2, generic$"):
+        ZEN4.resolve_isa("avx2_vnni")
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512, avx2_vnni, avx2, generic"):
         ZEN4.resolve_isa("sse4")
 
 
 def test_variant_flags_name_the_target_not_the_build_machine():
     from sluice.worker.kernels import VARIANTS
     assert VARIANTS["avx512"][0] == "-march=x86-64-v4" and VARIANTS["avx2"][0] == "-march=x86-64-v3"
+    assert VARIANTS["avx2_vnni"][:2] == ("-march=x86-64-v3", "-mavxvnni")
     assert not any("native" in f for flags in VARIANTS.values() for f in flags)
 
 
@@ -144,6 +153,40 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
     kernels._stage(a, tmp_path / "staged")
     assert before == {p: p.stat().st_mtime_ns for p in staged.rglob("*") if p.is_file()}
     assert (staged / "avx2" / "avx512_on_avx2.h").exists() and (staged / "kernels.h").exists()
+
+
+def _evex_instructions(path: str) -> list[str]:
+    """The instructions of a binary that are EVEX-encoded (AVX-512: first byte 0x62 in
+    64-bit code, after at most an address-size or segment prefix) or name zmm or mask
+    registers, as objdump disassembles them."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
+                         check=True).stdout
+    bad = [line for line in out.splitlines() if "%zmm" in line or "%k" in line]
+    raw = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
+    for line in raw.splitlines():
+        fields = line.split("\t")
+        if len(fields) >= 3 and fields[0].rstrip().endswith(":"):
+            code = fields[1].split()
+            while code and code[0] in ("67", "2e", "3e", "26", "36", "64", "65"):
+                code = code[1:]
+            if code and code[0] == "62":
+                bad.append(line)
+    return bad
+
+
+@pytest.mark.requires("kernels")
+def test_avx2_builds_hold_no_avx512_instruction(kernel_isa):
+    """An AVX2 build runs on CPUs without AVX-512: neither the compiler (-march=x86-64-v3)
+    nor our inline asm may emit an EVEX instruction (GAS encodes vpdpbusd on ymm as EVEX
+    unless told {vex}, which would fault on an Alder Lake)."""
+    import shutil
+    from sluice.worker import kernels
+    if kernel_isa == "avx512":
+        pytest.skip("the AVX-512 build is meant to hold AVX-512 instructions")
+    if shutil.which("objdump") is None:
+        pytest.skip("needs objdump (binutils) to read the build")
+    bad = _evex_instructions(kernels.load(kernel_isa).__file__)
+    assert not bad, bad[:5]
 
 
 @pytest.mark.requires("kernels")

@@ -4,7 +4,8 @@
 From the device, the CPU's features (backends/platform.py), the `cpu_isa` setting, the
 dtype, the quantization, the KV-cache dtype and deterministic mode it picks:
 
-- the kernel build (worker/kernels: "avx512", "avx2") or none ("generic": torch's ops);
+- the kernel build (worker/kernels: "avx512", "avx2_vnni", "avx2") or none ("generic":
+  torch's ops);
 - the linear method, by name from LINEAR_METHODS (backends/linear_methods.py implements
   them, backends/prepare.py sets them);
 - attention for prompt chunks and decodes, per KV dtype;
@@ -43,7 +44,7 @@ LINEAR_METHODS = {
 @dataclass(frozen=True)
 class BackendPlan:
     device: str
-    # The kernel build that runs ("avx512", "avx2"), or "generic" (torch's own ops).
+    # The kernel build that runs ("avx512", "avx2_vnni", "avx2"), or "generic" (torch's own ops).
     isa: str
     # The loaded kernel module of `isa`, or None.
     kernels: object | None

@@ -8,6 +8,7 @@ import logging
 import sys
 import uuid
 
+from sluice.backends.platform import CPU_ISAS
 from sluice.config import DEFAULT_MODEL, parse_name_weights
 
 
@@ -36,9 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step (default 256 on a CPU, 2048 on a GPU)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse cached KV blocks of repeated prompt prefixes")
-    g.add_argument("--cpu-isa", default="auto", choices=["auto", "avx512", "avx2", "generic"],
-                   help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx2 forces "
-                        "the AVX2 build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
+    g.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS),
+                   help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx2_vnni or "
+                        "avx2 force a lower build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "program", "fair"],
                    help="who is admitted and preempted first: fcfs (arrival); priority (the request's priority, "
                         "lower first); program (the session whose calls have had the least service first, "

@@ -385,6 +385,10 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
   const int64_t ahead_blocks = std::max<int64_t>(1, kAheadRows / bs);
   int64_t ahead = pf.on ? 0 : nblk;
   for (; ahead < std::min(ahead_blocks, nblk); ++ahead) prefetch_block(kh + blocks[ahead] * bb);
+#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX_VNNI)
+  alignas(32) int8_t qabs[G * D];  // |q|, the unsigned operand of the sign trick below
+  for (int64_t i = 0; i < G * D; ++i) qabs[i] = static_cast<int8_t>(qi[i] < 0 ? -qi[i] : qi[i]);
+#endif
   for (int64_t b = 0; b < nblk; ++b) {
     if (ahead < nblk) prefetch_block(kh + blocks[ahead++] * bb);
     if (pf.on) prefetch_block(vh + blocks[b] * bb);
@@ -394,6 +398,33 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
       const int64_t t0 = b * bs + s;
       const uint8_t* kq = blk + bs * 4 + s * D;
       __m512i acc[G];
+#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX_VNNI)
+      // No vpdpbusd in the plain AVX2 build: K's bytes less 128 (the signed values) times q on the sign trick,
+      // vpmaddubsw(|q|, k * sign(q)) then vpmaddwd by ones, tokens 0-7 and 8-15 in two
+      // halves: 4 instructions per 32 products where the general emulation of vpdpbusd
+      // (avx512_on_avx2.h) takes about 10. The int32 sums are sum(q * k) exactly, which is
+      // vpdpbusd's sum less qcorr (so qcorr is not taken off below).
+      {
+        const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(static_cast<char>(0x80));
+        __m256i lo[G], hi[G];
+        for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < Q4; ++j) {
+          const __m256i k0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kq + j * 64)), off);
+          const __m256i k1 =
+              _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kq + j * 64 + 32)), off);
+          for (int g = 0; g < G; ++g) {
+            int32_t q4, a4;
+            std::memcpy(&q4, qi + g * D + j * 4, sizeof(q4));
+            std::memcpy(&a4, qabs + g * D + j * 4, sizeof(a4));
+            const __m256i qv = _mm256_set1_epi32(q4), av = _mm256_set1_epi32(a4);
+            lo[g] = _mm256_add_epi32(lo[g], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(k0, qv)), ones));
+            hi[g] = _mm256_add_epi32(hi[g], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(k1, qv)), ones));
+          }
+        }
+        for (int g = 0; g < G; ++g) acc[g] = {lo[g], hi[g]};
+      }
+      constexpr bool kCorrected = true;
+#else
       for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
       for (int64_t j = 0; j < Q4; ++j) {
         const __m512i kv = _mm512_loadu_si512(kq + j * 64);
@@ -403,11 +434,13 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
           acc[g] = _mm512_dpbusd_epi32(acc[g], kv, _mm512_set1_epi32(q4));
         }
       }
+      constexpr bool kCorrected = false;
+#endif
       const int64_t n = std::min<int64_t>(16, len - t0);
       const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
       const __m512 ksv = _mm512_loadu_ps(ks + s);
       for (int g = 0; g < G; ++g) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[g], _mm512_set1_epi32(qcorr[g])));
+        const __m512 dot = _mm512_cvtepi32_ps(kCorrected ? acc[g] : _mm512_sub_epi32(acc[g], _mm512_set1_epi32(qcorr[g])));
         _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(_mm512_mul_ps(dot, ksv), _mm512_set1_ps(qscale[g])));
       }
     }

@@ -14,7 +14,7 @@
 // not occur in weights or activations). Every other function gives the same bits.
 //
 // Cost: vpdpbusd (64 byte products) becomes vpsignb + vpmaddubsw + vpmaddwd + two adds
-// per half; vdpbf16ps two FMAs and two shifts per half. The kernels' register blocks are
+// per half (one VEX vpdpbusd per half in the avx2_vnni build, -mavxvnni -DSLUICE_AVX_VNNI); vdpbf16ps two FMAs and two shifts per half. The kernels' register blocks are
 // sized per build (kernels.h, kRegisterBlock) for AVX2's 16 vector registers.
 #pragma once
 
@@ -292,13 +292,19 @@ SL_INLINE sl512_ps sl512_dpbf16_ps(sl512_ps acc, sl512_si a, sl512_si b) {
 // times int8 values). vpmaddubsw alone would saturate (255 * 127 * 2 > 32767), so a is
 // taken as a - 128 (|a - 128| <= 127: pairs stay below 32767 on vpmaddubsw's sign trick)
 // and 128 * (b's four bytes' sum) is added back: the same int32 sums exactly.
+// The avx2_vnni build (SLUICE_AVX_VNNI: AVX2 CPUs with AVX-VNNI, Alder Lake and later)
+// has the instruction itself, on 256 bits (VEX vpdpbusd): the same int32 sums.
 SL_INLINE __m256i sl_dpbusd(__m256i acc, __m256i a, __m256i b) {
+#if defined(SLUICE_AVX_VNNI)
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i as = _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80)));          // a - 128, signed
   const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(as, b));     // (a - 128) * b, pairs
   const __m256i bsum = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);                          // b, pairs
   const __m256i dot = _mm256_madd_epi16(prod, ones16);
   return _mm256_add_epi32(acc, _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(bsum, ones16), 7)));
+#endif
 }
 SL_INLINE sl512_si sl512_dpbusd_epi32(sl512_si acc, sl512_si a, sl512_si b) {
   return {sl_dpbusd(acc.lo, a.lo, b.lo), sl_dpbusd(acc.hi, a.hi, b.hi)};
