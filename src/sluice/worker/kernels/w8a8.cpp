@@ -105,6 +105,13 @@ inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* /*xa
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
+// In the asm blocks below, at the top of each block of kBlock k: this block's share of the
+// next panel's prefetch (Prefetch::step), lps lines from p while p < pend.
+#define SLUICE_ASM_PREFETCH_SHARE                                                 \
+  "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"                 \
+  "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t" \
+  "3:\n\t"
+
 }  // namespace
 
 // One row of x (K bf16) -> its int8 values, per-block scales and offset correction, in
@@ -217,10 +224,7 @@ void block_4x3_asm(float* acc, const uint8_t* w, int64_t wst, const int8_t* q, i
       "vpxord %%zmm20, %%zmm20, %%zmm20\n\t" "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"
       "vpxord %%zmm22, %%zmm22, %%zmm22\n\t" "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
       "1:\n\t"
-      // This block's share of the next panel's prefetch (Prefetch::step).
-      "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"
-      "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t"
-      "3:\n\t"
+      SLUICE_ASM_PREFETCH_SHARE
       "vpxord %%zmm0, %%zmm0, %%zmm0\n\t" "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
       "vpxord %%zmm2, %%zmm2, %%zmm2\n\t" "vpxord %%zmm3, %%zmm3, %%zmm3\n\t"
       "vpxord %%zmm4, %%zmm4, %%zmm4\n\t" "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"
@@ -367,10 +371,7 @@ void block_4x1_vnni(float* acc, const uint8_t* w, const int8_t* q, int64_t kp, c
   int64_t n = nblk, tmp;
   asm volatile(
       "1:\n\t"
-      // This block's share of the next panel's prefetch (Prefetch::step).
-      "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"
-      "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t"
-      "3:\n\t"
+      SLUICE_ASM_PREFETCH_SHARE
       "vpxor %%ymm0, %%ymm0, %%ymm0\n\t" "vpxor %%ymm1, %%ymm1, %%ymm1\n\t"
       "vpxor %%ymm2, %%ymm2, %%ymm2\n\t" "vpxor %%ymm3, %%ymm3, %%ymm3\n\t"
       "vpxor %%ymm4, %%ymm4, %%ymm4\n\t" "vpxor %%ymm5, %%ymm5, %%ymm5\n\t"
