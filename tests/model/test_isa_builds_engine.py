@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from sluice import LLM, SamplingParams
-from tests.conftest import KERNEL_ISAS
+from tests.conftest import LOWER_ISAS as LOWER
 
-LOWER = KERNEL_ISAS[1:] if KERNEL_ISAS[:1] == ["avx512"] else []
 pytestmark = pytest.mark.skipif(not LOWER, reason="needs a CPU that runs the AVX-512 build and an AVX2 one")
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived", "def fibonacci(n):",

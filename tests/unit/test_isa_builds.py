@@ -14,9 +14,8 @@ import torch
 
 from sluice.backends.linear_methods import quantize_per_channel
 from sluice.worker import kernels
-from tests.conftest import KERNEL_ISAS
+from tests.conftest import LOWER_ISAS as LOWER
 
-LOWER = KERNEL_ISAS[1:] if KERNEL_ISAS[:1] == ["avx512"] else []
 pytestmark = pytest.mark.skipif(not LOWER, reason="needs a CPU that runs the AVX-512 build and an AVX2 one")
 
 

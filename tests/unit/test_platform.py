@@ -158,19 +158,18 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
 def _evex_instructions(path: str) -> list[str]:
     """The instructions of a binary that are EVEX-encoded (AVX-512: first byte 0x62 in
     64-bit code, after at most an address-size or segment prefix) or name zmm or mask
-    registers, as objdump disassembles them."""
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
-                         check=True).stdout
-    bad = [line for line in out.splitlines() if "%zmm" in line or "%k" in line]
-    raw = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
-    for line in raw.splitlines():
+    registers, as objdump disassembles them (address, bytes, instruction)."""
+    out = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
+    bad = []
+    for line in out.splitlines():
         fields = line.split("\t")
-        if len(fields) >= 3 and fields[0].rstrip().endswith(":"):
-            code = fields[1].split()
-            while code and code[0] in ("67", "2e", "3e", "26", "36", "64", "65"):
-                code = code[1:]
-            if code and code[0] == "62":
-                bad.append(line)
+        if len(fields) < 3 or not fields[0].rstrip().endswith(":"):
+            continue
+        code = fields[1].split()
+        while code and code[0] in ("67", "2e", "3e", "26", "36", "64", "65"):
+            code = code[1:]
+        if (code and code[0] == "62") or "%zmm" in fields[2] or "%k" in fields[2]:
+            bad.append(line)
     return bad
 
 

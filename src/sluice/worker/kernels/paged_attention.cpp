@@ -385,7 +385,7 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
   const int64_t ahead_blocks = std::max<int64_t>(1, kAheadRows / bs);
   int64_t ahead = pf.on ? 0 : nblk;
   for (; ahead < std::min(ahead_blocks, nblk); ++ahead) prefetch_block(kh + blocks[ahead] * bb);
-#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX_VNNI)
+#if defined(SLUICE_SIGN_TRICK)
   alignas(32) int8_t qabs[G * D];  // |q|, the unsigned operand of the sign trick below
   for (int64_t i = 0; i < G * D; ++i) qabs[i] = static_cast<int8_t>(qi[i] < 0 ? -qi[i] : qi[i]);
 #endif
@@ -398,8 +398,8 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
       const int64_t t0 = b * bs + s;
       const uint8_t* kq = blk + bs * 4 + s * D;
       __m512i acc[G];
-#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX_VNNI)
-      // No vpdpbusd in the plain AVX2 build: K's bytes less 128 (the signed values) times q on the sign trick,
+#if defined(SLUICE_SIGN_TRICK)
+      // No vpdpbusd: K's bytes less 128 (the signed values) times q on the sign trick,
       // vpmaddubsw(|q|, k * sign(q)) then vpmaddwd by ones, tokens 0-7 and 8-15 in two
       // halves: 4 instructions per 32 products where the general emulation of vpdpbusd
       // (avx512_on_avx2.h) takes about 10. The int32 sums are sum(q * k) exactly, which is
@@ -440,7 +440,8 @@ void attend_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, co
       const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
       const __m512 ksv = _mm512_loadu_ps(ks + s);
       for (int g = 0; g < G; ++g) {
-        const __m512 dot = _mm512_cvtepi32_ps(kCorrected ? acc[g] : _mm512_sub_epi32(acc[g], _mm512_set1_epi32(qcorr[g])));
+        const __m512i sum = kCorrected ? acc[g] : _mm512_sub_epi32(acc[g], _mm512_set1_epi32(qcorr[g]));
+        const __m512 dot = _mm512_cvtepi32_ps(sum);
         _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(_mm512_mul_ps(dot, ksv), _mm512_set1_ps(qscale[g])));
       }
     }

@@ -23,6 +23,13 @@
 #error "sluice's kernels build for AVX-512 (with BF16 and VNNI) or, with -DSLUICE_AVX2, for AVX2 + FMA + F16C"
 #endif
 
+// The plain AVX2 build (no AVX-VNNI) has no vpdpbusd: its int8 dot products use
+// vpmaddubsw's sign trick, vpmaddubsw(|x|, y * sign(x)) then vpmaddwd by ones, on operands
+// laid out for it (w8a8.cpp, the int8-cache scores of paged_attention.cpp).
+#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX_VNNI)
+#define SLUICE_SIGN_TRICK 1
+#endif
+
 namespace sluice {
 
 inline float to_float(float x) { return x; }

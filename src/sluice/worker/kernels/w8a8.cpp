@@ -34,12 +34,9 @@
 
 #include "simd.h"
 
-// The AVX2 build without AVX-VNNI multiplies bytes on vpmaddubsw's sign trick (signed
-// weights; |x| and each block's offset kept with the quantized rows); the AVX-512 and
-// avx2_vnni builds have vpdpbusd (weights + 128, the offset taken off once per row).
-#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX_VNNI)
-#define SLUICE_SIGN_TRICK 1
-#endif
+// SLUICE_SIGN_TRICK (simd.h), the plain AVX2 build: signed weights, |x| and each block's
+// offset kept with the quantized rows. The AVX-512 and avx2_vnni builds have vpdpbusd:
+// weights + 128, the offset taken off once per row.
 
 namespace sluice {
 namespace {

@@ -14,8 +14,8 @@
 // not occur in weights or activations). Every other function gives the same bits.
 //
 // Cost: vpdpbusd (64 byte products) becomes vpsignb + vpmaddubsw + vpmaddwd + two adds
-// per half (one VEX vpdpbusd per half in the avx2_vnni build, -mavxvnni -DSLUICE_AVX_VNNI); vdpbf16ps two FMAs and two shifts per half. The kernels' register blocks are
-// sized per build (kernels.h, kRegisterBlock) for AVX2's 16 vector registers.
+// per half (one VEX vpdpbusd per half in the avx2_vnni build, -mavxvnni -DSLUICE_AVX_VNNI);
+// vdpbf16ps two FMAs and two shifts per half. The kernels' register blocks are sized per build (kernels.h, kRegisterBlock) for AVX2's 16 vector registers.
 #pragma once
 
 #include <immintrin.h>
