@@ -5,6 +5,7 @@ cached by variant and content and survive a killed build."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -153,6 +154,25 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
     kernels._stage(a, tmp_path / "staged")
     assert before == {p: p.stat().st_mtime_ns for p in staged.rglob("*") if p.is_file()}
     assert (staged / "avx2" / "avx512_on_avx2.h").exists() and (staged / "kernels.h").exists()
+
+
+def test_the_venvs_ninja_builds_whether_or_not_the_venv_is_activated(tmp_path, monkeypatch):
+    """Another ninja on PATH (a system one) would find the venv's ninja's objects stale
+    (their command hashes differ) and rebuild every kernel file: the ninja beside the
+    interpreter goes first, once."""
+    from sluice.worker import kernels
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    (bindir / "ninja").write_text("")
+    monkeypatch.setattr(sys, "executable", str(bindir / "python"))
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin")
+    kernels._ninja_beside_interpreter_first()
+    kernels._ninja_beside_interpreter_first()
+    assert os.environ["PATH"] == f"{bindir}:/usr/local/bin:/usr/bin"
+    (bindir / "ninja").unlink()  # none beside the interpreter: PATH as it was
+    monkeypatch.setenv("PATH", "/usr/bin")
+    kernels._ninja_beside_interpreter_first()
+    assert os.environ["PATH"] == "/usr/bin"
 
 
 def _evex_instructions(path: str) -> list[str]:

@@ -26,7 +26,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -86,16 +85,27 @@ def module_name(variant: str, source_dir: Path = _DIR) -> str:
     return f"sluice_kernels_{variant}_{build_key(variant, source_dir)}"
 
 
+def _ninja_beside_interpreter_first() -> None:
+    """torch runs `ninja` from PATH. The pip-installed one (a dependency) sits beside the
+    interpreter, which is not on PATH when the venv is used without being activated: a
+    system ninja then builds instead. Two ninja versions hash a build's commands
+    differently (1.11 and 1.13 do), so each finds the other's objects stale, and a server
+    started with the venv activated after tests run without (or the reverse) rebuilt every
+    kernel file, ~35 s. So the venv's ninja goes first on PATH whenever there is one."""
+    bindir = os.path.dirname(sys.executable)
+    if not os.path.exists(os.path.join(bindir, "ninja")):
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = bindir + os.pathsep + path if path else bindir
+
+
 def build(variant: str, source_dir: Path = _DIR):
     """Compile (or load the cached build of) the kernel sources in `source_dir` for
     `variant`. Raises what the build raises."""
     if variant not in VARIANTS:
         raise ValueError(f"no kernel build for {variant!r}; variants: {', '.join(VARIANTS)}")
-    # torch runs `ninja` from PATH; the pip-installed one sits beside the interpreter,
-    # which is not on PATH when the venv is used without being activated.
-    bindir = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    _ninja_beside_interpreter_first()
     from torch.utils.cpp_extension import _get_build_directory, load as load_extension
 
     name = module_name(variant, source_dir)
