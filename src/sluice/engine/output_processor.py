@@ -114,7 +114,7 @@ class OutputProcessor:
                 state.text += state.detok.flush()
             if req.logprobs:
                 for tid, lp in req.logprobs[i].items():
-                    lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+                    lp.decoded_token = self.tokenizer.token_text(tid)
             if not stops or stopped_by_token:
                 continue
             # A new match must end in the new text, so it starts at most len(stop) - 1 before it.
@@ -149,13 +149,10 @@ class OutputProcessor:
         src = next((r for r in reqs if r.prompt_logprobs is not None), None)
         if src is None:
             return None
-        decoded: dict[int, str] = {}
         for entry in src.prompt_logprobs:
             for tid, lp in (entry or {}).items():
                 if lp.decoded_token is None:
-                    if tid not in decoded:
-                        decoded[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
-                    lp.decoded_token = decoded[tid]
+                    lp.decoded_token = self.tokenizer.token_text(tid)
         out = list(src.prompt_logprobs)
         if not src.needs_prompt_logprobs:
             parent.prompt_logprobs = out

@@ -436,7 +436,7 @@ class OpenAIServing:
         # Prompt logprobs (echo) have None for the first token: no logprob, no top.
         for tid, entry in zip(token_ids, entries or []):
             chosen = entry.get(tid) if entry is not None else None
-            tok = chosen.decoded_token if chosen else self.tokenizer.decode([tid], skip_special_tokens=False)
+            tok = chosen.decoded_token if chosen else self.tokenizer.token_text(tid)
             out.tokens.append(tok)
             out.token_logprobs.append(chosen.logprob if chosen else None)
             if entry is None:
@@ -624,7 +624,7 @@ class OpenAIServing:
         content = []
         for tid, entry in zip(token_ids, entries or []):
             chosen = entry.get(tid)
-            tok = chosen.decoded_token if chosen else self.tokenizer.decode([tid], skip_special_tokens=False)
+            tok = chosen.decoded_token if chosen else self.tokenizer.token_text(tid)
             tops = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
             content.append(ChatTokenLogprob(
                 token=tok, logprob=chosen.logprob if chosen else float("-inf"), bytes=list(tok.encode()),
