@@ -15,7 +15,9 @@
 //
 // Cost: vpdpbusd (64 byte products) becomes vpsignb + vpmaddubsw + vpmaddwd + two adds
 // per half (one VEX vpdpbusd per half in the avx2_vnni build, -mavxvnni -DSLUICE_AVX_VNNI);
-// vdpbf16ps two FMAs and two shifts per half. The kernels' register blocks are sized per build (kernels.h, kRegisterBlock) for AVX2's 16 vector registers.
+// vdpbf16ps two FMAs and two shifts per half. The kernels' register blocks are sized per
+// build for AVX2's 16 vector registers (kRows and kMaxSums in batch_invariant.cpp and
+// w8a8.cpp).
 #pragma once
 
 #include <immintrin.h>
