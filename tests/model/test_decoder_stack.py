@@ -29,7 +29,7 @@ def run(llm: LLM, params: SamplingParams):
 
 @pytest.mark.parametrize("kind,quantization,deterministic", [
     ("llama", None, False), ("qwen2", None, False), ("llama", "int8", False), ("llama3-rope", None, True),
-    ("llama-4layers", "w8a8", False),
+    ("llama-4layers", "w8a8", False), ("llama-4layers", "w4a8", True),
 ])
 def test_stack_matches_python_loop_bitwise(tiny_checkpoint, kind, quantization, deterministic, kernel_isa):
     llm = LLM(model=str(tiny_checkpoint(kind)), dtype="bfloat16", num_blocks=64, quantization=quantization,

@@ -380,6 +380,29 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, best_kernel_
         LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="w8a8", kv_cache_memory=0.1)
 
 
+def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, best_kernel_isa):
+    """4-bit weights times int8 activations: the middle layers run the w4a8 kernel on the
+    Q4_1 GGUF's own 4-bit values (found again from its bf16 weights), the end layers and
+    the head as w8a8's do; the answer holds and nothing leaks."""
+    llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", quantization="w4a8", kv_cache_memory=0.1)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert "Paris" in out
+    model = llm.engine.runner.model
+    layers = model.model.layers
+    down = layers[1].mlp.down_proj
+    assert down.method.w4a8.dtype == torch.uint8 and down.method.w8a8 is None
+    assert layers[0].mlp.down_proj.method.w4a8 is None and layers[-1].self_attn.qkv_proj.method.w4a8 is None
+    # The file's Q4_1 blocks hold 16 levels each, and every block's values are d * q + m.
+    q, d, m = down.w4
+    assert int(q.max()) == 15 and int(q.min()) == 0
+    blocks = down.weight.float().view(down.weight.shape[0], -1, 32)
+    assert torch.equal(blocks, (q.float().view_as(blocks) * d[..., None] + m[..., None]).to(torch.bfloat16).float())
+    assert_all_blocks_free(llm)
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="w4a8", kv_cache_memory=0.1)
+
+
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
                 "Explain photosynthesis in one sentence.", "List three prime numbers.", "Who wrote Hamlet?",
                 "Translate 'good morning' to Spanish.", "What is 12 times 11?", "Name a famous painter."]

@@ -91,6 +91,72 @@ def test_w8a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
         assert torch.equal(k.w8a8_linear(x[s:s + m], packed, scale, n, b, True), full[s:s + m]), (s, m)
 
 
+def w4a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, mn: torch.Tensor, bias=None) -> torch.Tensor:
+    """x quantized as w8a8_reference does, times the 4-bit weights d * q + m, in float64."""
+    m, kdim = x.shape
+    kp = (kdim + 31) // 32 * 32
+    blocks = F.pad(x.float(), (0, kp - kdim)).reshape(m, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    xq = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
+    xd = (xq.double() * (amax / 127).double()).reshape(m, kp)[:, :kdim]
+    qb = F.pad(q.double(), (0, kp - kdim)).reshape(q.shape[0], -1, 32)
+    w = (qb * d.double()[..., None] + mn.double()[..., None]).reshape(q.shape[0], kp)[:, :kdim]
+    y = xd @ w.T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("n,kdim,bias", [(200, 131, True), (48, 576, False), (576, 1536, False), (37, 7, True)])
+def test_w4a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
+    """4-bit weights (a scale and a minimum per block of 32) x int8 activations, 15 and
+    127 (the int16 sums' edge) included."""
+    from sluice.backends.linear_methods import quantize_4bit
+    g = torch.Generator().manual_seed(n + kdim)
+    w = torch.randn(n, kdim, generator=g) * 0.05 + 0.01
+    q, d, mn = quantize_4bit(w)
+    q[:, : kdim // 2] = 15  # every pair at 2 * 15 * 127 where x sits at +-127 below
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(70, kdim, generator=g)
+    x[:, kdim // 2] *= 50  # an outlier channel: its block's scale must not touch the others
+    x[:3, : kdim // 2] = 4.0
+    x[3:5, : kdim // 2] = -4.0
+    x = x.to(torch.bfloat16)
+    packed, pd, pm = k.w4a8_pack_weight(q, d, mn)
+    full = k.w4a8_linear(x, packed, pd, pm, n, b, True)
+    ref = w4a8_reference(x, q, d, mn, b)
+    quantum = (x.float().abs().amax() / 127 * (d.abs() * 15 + mn.abs()).amax()).item()
+    assert (full.double() - ref).abs().max().item() < 1.01 * quantum
+    assert (full.double() - ref).abs().median().item() < 1e-4 * ref.abs().max().item()
+    assert (full.double() - ref)[:5].abs().max().item() < 1e-4 * ref[:5].abs().max().item()  # the edge rows
+    bf16 = k.w4a8_linear(x, packed, pd, pm, n, b)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, full.to(torch.bfloat16))
+    for s, m in row_slices(70):
+        assert torch.equal(k.w4a8_linear(x[s:s + m], packed, pd, pm, n, b, True), full[s:s + m]), (s, m)
+
+
+def test_quantize_4bit_finds_q4_1_values_again():
+    """Values made as llama.cpp's Q4_1 stores them (f16 scale and minimum, q in 0..15, every
+    block reaching 0 and 15), rounded to bf16: the same q, and scales within bf16 rounding."""
+    from sluice.backends.linear_methods import quantize_4bit
+    g = torch.Generator().manual_seed(0)
+    n, kdim = 64, 96
+    q = torch.randint(0, 16, (n, kdim), generator=g, dtype=torch.uint8)
+    q[:, ::32] = 0
+    q[:, 1::32] = 15
+    d = (torch.rand(n, kdim // 32, generator=g) * 0.01 + 1e-3).half().float()
+    mn = (-d * 7.5 + torch.randn(n, kdim // 32, generator=g) * 1e-3).half().float()
+    w = (q.float().view(n, -1, 32) * d[..., None] + mn[..., None]).view(n, kdim).to(torch.bfloat16)
+    q2, d2, mn2 = quantize_4bit(w)
+    assert torch.equal(q2, q)
+    torch.testing.assert_close(d2, d, rtol=2e-2, atol=0)
+
+
+def test_w4a8_packing_refuses_values_past_4_bits(k):
+    q = torch.zeros(16, 32, dtype=torch.uint8)
+    q[3, 5] = 16
+    with pytest.raises(RuntimeError, match="0..15"):
+        k.w4a8_pack_weight(q, torch.ones(16, 1), torch.zeros(16, 1))
+
+
 def test_w8a8_extreme_values_and_range(k):
     """Weights and activations at +-127 (the sign trick's and vpdpbusd's edges) sum exactly;
     -128, which the AVX2 build's vpsignb cannot negate, is refused at packing."""

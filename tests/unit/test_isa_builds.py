@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.backends.linear_methods import quantize_per_channel
+from sluice.backends.linear_methods import quantize_4bit, quantize_per_channel
 from sluice.worker import kernels
 from tests.conftest import LOWER_ISAS as LOWER
 
@@ -48,6 +48,9 @@ def test_linear_layers(builds, dtype, m, n, kdim):
         same(builds, lambda k: (k.bi_linear_int8(x, k.bi_pack_weight_int8(q), scale, n, b),
                                 k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, n, b),
                                 k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, n, None, True)))
+        q4 = quantize_4bit(w)
+        same(builds, lambda k: (k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, b),
+                                k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, None, True)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -68,6 +68,7 @@ def test_variant_flags_name_the_target_not_the_build_machine():
 @pytest.mark.parametrize("mode, kwargs, instead", [
     ("deterministic mode", dict(deterministic=True), "the default (non-deterministic) mode"),
     ("quantization='w8a8'", dict(quantization="w8a8"), "quantization='int8', or none"),
+    ("quantization='w4a8'", dict(quantization="w4a8"), "quantization='int8', or none"),
     ("kv_cache_dtype='int8'", dict(kv_cache_dtype="int8"), "kv_cache_dtype='auto'"),
 ])
 def test_kernel_modes_without_kernels_are_refused_in_one_line_before_loading(as_cpu, monkeypatch, mode, kwargs,

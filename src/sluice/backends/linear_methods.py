@@ -11,7 +11,9 @@ method for the model (LINEAR_METHODS):
   is memory-bound) and bigger ones the dequantized bf16 weights; deterministic mode reads
   the int8 weights at every size, so a row never changes kernel with the batch; w8a8
   multiplies the same int8 weights by activations quantized to int8 per block of 32
-  inside the kernel (worker/kernels/w8a8.cpp), at every row count;
+  inside the kernel (worker/kernels/w8a8.cpp), at every row count; w4a8 multiplies 4-bit
+  weights (`quantize_rows_4bit`: Q4_1's form, a scale and a minimum per block of 32) by
+  the same int8 activations (worker/kernels/w4a8.cpp), at every row count;
 - `onednn-bf16`: a oneDNN prepacked bf16 weight (`PackedWeight`), where our kernels do not
   run the model (the op inductor's freezing uses);
 - `torch-int8`: int8 weight-only quantization (`quantize_rows`, symmetric per-output-channel
@@ -45,11 +47,16 @@ class KernelWeight:
     qscale: torch.Tensor | None = None   # ... with its per-column float32 scales
     int8_max_rows: float = 0
     w8a8: torch.Tensor | None = None     # int8 for kernels.w8a8_linear, with qscale
+    w4a8: torch.Tensor | None = None     # 4-bit for kernels.w4a8_linear ...
+    w4d: torch.Tensor | None = None      # ... with its block scales
+    w4m: torch.Tensor | None = None      # ... and block minimums
     # float32 outputs by default: the LM head's logits, a row-parallel layer's partial sums
     out_float32: bool = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool | None = None):
         out_float32 = self.out_float32 if out_float32 is None else out_float32
+        if self.w4a8 is not None:
+            return self.kernels.w4a8_linear(x, self.w4a8, self.w4d, self.w4m, self.n, bias, out_float32)
         if self.w8a8 is not None:
             return self.kernels.w8a8_linear(x, self.w8a8, self.qscale, self.n, bias, out_float32)
         if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:
@@ -58,8 +65,12 @@ class KernelWeight:
 
 
 def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None,
-                  deterministic: bool, w8a8: bool = False) -> KernelWeight:
+                  deterministic: bool, w8a8: bool = False,
+                  w4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> KernelWeight:
     weight = weight.detach()
+    if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
+        packed, d, m = kernels.w4a8_pack_weight(*w4)
+        return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
     if q is None:
         return KernelWeight(kernels, weight.shape[0], kernels.bi_pack_weight(weight))
     qweight, qscale = q
@@ -131,6 +142,48 @@ def quantize_rows(module: Linear, start: int = 0, rows: int | None = None) -> No
     if getattr(module, "int8_scale", None) is None:
         module.int8_scale = torch.empty(module.weight.shape[0], dtype=torch.float32)
     module.int8_scale[start:start + rows] = scale
+
+
+BLOCK_4BIT = 32
+
+
+def quantize_4bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 per block of 32 k of each row: w ~= d * q + m with q in 0..15, m
+    the block's minimum and d = (max - m) / 15. Returns (q [N, K] uint8, d, m [N, ceil(K /
+    32)] float32). On the values of a Q4_1 tensor (a Q4_1 GGUF loaded in bf16) it finds
+    the stored q again: each value is within bf16 rounding of d * q + m, far under d / 2."""
+    w = weight.detach().float()
+    n, k = w.shape
+    kp = -(-k // BLOCK_4BIT) * BLOCK_4BIT
+    valid = torch.arange(kp) < k
+    wp = torch.nn.functional.pad(w, (0, kp - k)).view(n, kp // BLOCK_4BIT, BLOCK_4BIT)
+    valid = valid.view(1, kp // BLOCK_4BIT, BLOCK_4BIT)
+    mn = torch.where(valid, wp, torch.inf).amin(dim=2)
+    mx = torch.where(valid, wp, -torch.inf).amax(dim=2)
+    d = (mx - mn) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((wp - mn[..., None]) / safe[..., None]).clamp(0, 15)
+    q = torch.where(valid & (d[..., None] > 0), q, torch.zeros_like(q))
+    return q.view(n, kp)[:, :k].to(torch.uint8).contiguous(), d, mn
+
+
+@torch.no_grad()
+def quantize_rows_4bit(module: Linear, start: int = 0, rows: int | None = None) -> None:
+    """quantize_rows' 4-bit counterpart: rows [start, start + rows) of a Linear's weight to
+    quantize_4bit's form, in place (the weight keeps their dequantized values), and
+    `module.w4` their (q, d, m), what the w4a8 kernels pack. Rows are independent."""
+    rows = module.weight.shape[0] - start if rows is None else rows
+    w = module.weight.narrow(0, start, rows)
+    q, d, m = quantize_4bit(w)
+    nblk = d.shape[1]
+    qf = torch.nn.functional.pad(q.float(), (0, nblk * BLOCK_4BIT - q.shape[1])).view(rows, nblk, BLOCK_4BIT)
+    deq = (qf * d[..., None] + m[..., None]).view(rows, -1)[:, :q.shape[1]]
+    w.copy_(deq.to(w.dtype))
+    if getattr(module, "w4", None) is None:
+        full = module.weight.shape
+        module.w4 = (torch.zeros(full, dtype=torch.uint8), torch.zeros(full[0], nblk), torch.zeros(full[0], nblk))
+    for held, new in zip(module.w4, (q, d, m)):
+        held[start:start + rows] = new
 
 
 def int8_weight(module: Linear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.backends.linear_methods import (Int8Weight, PackedWeight, int8_weight, kernel_weight, prepack_weight,
-                                            quantize_per_channel, quantize_rows)
+                                            quantize_per_channel, quantize_rows, quantize_rows_4bit)
 from sluice.backends.ops import KernelOps
 from sluice.config import QUANTIZATIONS
 from sluice.models.linear import Linear
@@ -59,9 +59,11 @@ def prepare(model, plan, quantization: str | None = None, max_positions: int | N
     RoPE values. with_head=False: no LM head (a tensor-parallel rank other than 0, which
     never computes logits)."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None, 'int8' or 'w8a8', got {quantization!r}")
+        raise ValueError(f"quantization must be None, 'int8', 'w8a8' or 'w4a8', got {quantization!r}")
     for name, module in _linears(model):
-        if quantization is not None:  # the same int8 weights; w8a8 also quantizes activations
+        if quantization == "w4a8":
+            quantize_rows_4bit(module)
+        elif quantization is not None:  # the same int8 weights; w8a8 also quantizes activations
             quantize_rows(module)
         module.method = _linear_method(model, name, module, plan, quantization)
     _finish(model, plan, quantization, max_positions, with_head)
@@ -83,7 +85,7 @@ def update(model, plan, quantization: str | None, written: dict[str, list[tuple[
         if isinstance(module, Linear):
             if quantization is not None and kind == "weight":
                 for start, rows in ranges:
-                    quantize_rows(module, start, rows)
+                    (quantize_rows_4bit if quantization == "w4a8" else quantize_rows)(module, start, rows)
             changed[owner] = module
     for name, module in changed.items():
         module.method = _linear_method(model, name, module, plan, quantization)
@@ -92,7 +94,7 @@ def update(model, plan, quantization: str | None, written: dict[str, list[tuple[
 
 def _linear_method(model, name: str, module: Linear, plan, quantization: str | None):
     """A Linear's method under the plan, from its weight (dequantized when quantized)."""
-    q = int8_weight(module, plan.dtype) if quantization is not None else None
+    q = int8_weight(module, plan.dtype) if quantization in ("int8", "w8a8") else None
     k = plan.model_kernels
     if k is not None:
         # w8a8 everywhere but the LM head and the first and last decoder layers, which keep
@@ -102,7 +104,9 @@ def _linear_method(model, name: str, module: Linear, plan, quantization: str | N
         last = len(model.model.layers) - 1
         ends = ("lm_head", "model.layers.0.", f"model.layers.{last}.")
         w8a8 = plan.linear == "kernels-w8a8" and not name.startswith(ends)
-        method = kernel_weight(k, module.weight, q, plan.deterministic, w8a8)
+        # w4a8 likewise; its end layers multiply the 4-bit weights' values in bf16.
+        w4 = module.w4 if plan.linear == "kernels-w4a8" and not name.startswith(ends) else None
+        method = kernel_weight(k, module.weight, q, plan.deterministic, w8a8, w4)
         # Row-parallel: each rank's partial sums stay float32 through the all-reduce and are
         # rounded once (Linear.forward), as one process rounds its whole sum (the tiny
         # model's logprobs: one process's to the bit, none of them when each rank rounded
@@ -166,7 +170,7 @@ def build_stack(model, k):
     def linear(module):
         w = module.method
         bias = None if module.bias is None else module.bias.detach()
-        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8)
+        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8, w.w4a8, w.w4d, w.w4m)
 
     first = model.model.layers[0].self_attn
     stack = k.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, first.scale, model.model.norm.eps,

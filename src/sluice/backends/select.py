@@ -38,6 +38,7 @@ LINEAR_METHODS = {
     "kernels-int8": "sluice's kernels, int8 weights times bf16 activations (up to 8 rows; bf16 weights above)",
     "kernels-int8-invariant": "sluice's kernels, int8 weights times bf16 activations at every row count",
     "kernels-w8a8": "sluice's kernels, int8 weights times int8 activations per block of 32",
+    "kernels-w4a8": "sluice's kernels, 4-bit weights (Q4_1's form) times int8 activations per block of 32",
 }
 
 
@@ -82,8 +83,8 @@ def _modes(quantization, kv_cache_dtype, deterministic) -> list[tuple[str, str]]
     out = []
     if deterministic:
         out.append(("deterministic mode", "the default (non-deterministic) mode"))
-    if quantization == "w8a8":
-        out.append(("quantization='w8a8'", "quantization='int8', or none"))
+    if quantization in ("w8a8", "w4a8"):
+        out.append((f"quantization={quantization!r}", "quantization='int8', or none"))
     if kv_cache_dtype == "int8":
         out.append(("kv_cache_dtype='int8'", "kv_cache_dtype='auto'"))
     return out
@@ -158,7 +159,7 @@ def select(model_config, cache_config, tensor_parallel_size: int = 1, log: bool 
     run_model = k is not None and (m.deterministic or dtype == torch.bfloat16)
     if run_model:
         linear = {None: "kernels", "int8": "kernels-int8-invariant" if m.deterministic else "kernels-int8",
-                  "w8a8": "kernels-w8a8"}[m.quantization]
+                  "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8"}[m.quantization]
         attention = "kernels-varlen"         # every token, prompt or decode, in one call
         norm = rope = "kernels"
         head = "kernels" if m.deterministic else "kernels-greedy-w8a8"

@@ -20,10 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache dtype; auto = bfloat16 where sluice's kernels run "
                         "(AVX2 or AVX-512 CPUs), else float32")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    g.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
+    g.add_argument("--quantization", default=None, choices=["int8", "w8a8", "w4a8"],
                    help="int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
                         "w8a8: the same weights times int8-quantized activations (sluice's kernels), faster "
-                        "batches and prompts (docs/benchmarks.md has the quality cost of each)")
+                        "batches and prompts; w4a8: 4-bit weights (Q4_1's form, a Q4_1 GGUF's own values) times "
+                        "int8 activations, the fastest batches on AVX2 CPUs (docs/benchmarks.md has the quality "
+                        "cost of each)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")

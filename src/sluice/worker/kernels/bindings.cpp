@@ -45,6 +45,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("out_float32") = false);
 
+  // w4a8.cpp
+  m.def("w4a8_pack_weight", &sluice::w4a8_pack_weight,
+        "pack [N, K] 4-bit weights (0..15) and their [N, K/32] block scales and minimums for w4a8_linear");
+  m.def("w4a8_linear", &sluice::linear_w4a8,
+        "x @ (q * d + m)^T (+ b), 4-bit weights per block of 32, x quantized to int8 per block of 32",
+        py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("out_float32") = false);
+
   // argmax.cpp
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "structured outputs: logits[rows[r]] = -inf where bitmask[r] has a 0 bit, in place");

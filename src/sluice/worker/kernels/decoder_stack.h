@@ -31,14 +31,20 @@ struct StackLinear {
   double int8_max_rows = 0;
   c10::optional<at::Tensor> bias;
   at::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
+  at::Tensor w4a8, w4d, w4m;  // for sluice::linear_w4a8, at every row count
+
+  // Whether the layer takes int8-quantized rows (W8A8Rows).
+  bool quantized() const { return w8a8.defined() || w4a8.defined(); }
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (w4a8.defined()) return sluice::linear_w4a8(x, w4a8, w4d, w4m, n, bias, false);
     if (w8a8.defined()) return sluice::linear_w8a8(x, w8a8, qscale, n, bias, false);
     if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
       return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
     return sluice::linear(x, packed, n, bias, false);
   }
   at::Tensor operator()(const sluice::W8A8Rows& x) const {
+    if (w4a8.defined()) return sluice::linear_w4a8_rows(x, w4a8, w4d, w4m, n, bias, false);
     return sluice::linear_w8a8_rows(x, w8a8, qscale, n, bias, false);
   }
 };
@@ -55,9 +61,11 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         final_norm_(final_norm.contiguous()) {}
 
-  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias, w8a8); absent tensors are None.
+  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias, w8a8, w4a8, w4d, w4m);
+  // absent tensors are None.
   using LinearArgs = std::tuple<int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>, double, c10::optional<at::Tensor>,
+                                c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>>;
 
   void add_layer(const LinearArgs& qkv, const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
@@ -88,7 +96,7 @@ class DecoderStack {
       at::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
       attn = l.o(attn.reshape({T, q_size}));
       at::Tensor gate_up;
-      if (l.gate_up.w8a8.defined()) {
+      if (l.gate_up.quantized()) {
         sluice::W8A8Rows a;
         std::tie(a, residual) = sluice::add_rms_norm_w8a8(attn, residual, l.post_attention_norm, eps_);
         gate_up = l.gate_up(a);
@@ -96,11 +104,11 @@ class DecoderStack {
         std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
         gate_up = l.gate_up(h);
       }
-      at::Tensor mlp = l.down.w8a8.defined() ? l.down(sluice::silu_and_mul_w8a8(gate_up))
+      at::Tensor mlp = l.down.quantized() ? l.down(sluice::silu_and_mul_w8a8(gate_up))
                                                  : l.down(sluice::silu_and_mul(gate_up));
       const bool last = i + 1 == layers_.size();
       const at::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
-      quantized = !last && layers_[i + 1].qkv.w8a8.defined();
+      quantized = !last && layers_[i + 1].qkv.quantized();
       if (quantized) std::tie(hq, residual) = sluice::add_rms_norm_w8a8(mlp, residual, next_norm, eps_);
       else std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
     }
@@ -117,7 +125,11 @@ class DecoderStack {
     s.int8_max_rows = std::get<4>(a);
     s.bias = std::get<5>(a);
     if (std::get<6>(a)) s.w8a8 = *std::get<6>(a);
-    TORCH_CHECK(s.packed.defined() || s.q_packed.defined() || s.w8a8.defined(), "a linear layer needs packed weights");
+    if (std::get<7>(a)) s.w4a8 = *std::get<7>(a);
+    if (std::get<8>(a)) s.w4d = *std::get<8>(a);
+    if (std::get<9>(a)) s.w4m = *std::get<9>(a);
+    TORCH_CHECK(s.packed.defined() || s.q_packed.defined() || s.w8a8.defined() || s.w4a8.defined(),
+                "a linear layer needs packed weights");
     return s;
   }
 

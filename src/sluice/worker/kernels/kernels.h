@@ -34,16 +34,25 @@ at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_
 // Activations as linear_w8a8 quantizes them (w8a8.cpp): [M, K padded to 32] int8, one
 // scale per block of 32, and each row's correction for the +128 weight offset. The AVX2
 // build also keeps |q| and 128 * each block's sum of q (qabs, boff: its dot products'
-// operands, made once per row); the AVX-512 build leaves them undefined.
+// operands, made once per row); the AVX-512 build leaves them undefined. bsums: each
+// block's scale times its sum of q (what w4a8's block minimums multiply).
 struct W8A8Rows {
   at::Tensor q, scales, corr;
   int64_t K = 0;
   at::Tensor qabs, boff;
+  at::Tensor bsums;
 };
 W8A8Rows w8a8_rows(int64_t M, int64_t K, const at::TensorOptions& options);
 // Quantizes one bf16 row of K values into row r.
 void w8a8_quantize_row(const uint16_t* x, W8A8Rows& rows, int64_t r);
 at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor scale, int64_t N,
+                            c10::optional<at::Tensor> bias, bool out_float32);
+// w4a8.cpp: 4-bit weights (Q4_1's form: per block of 32, a scale and a minimum) by the
+// same quantized activations.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at::Tensor d, at::Tensor m);
+at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32);
+at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32);
 // add_rms_norm and silu_and_mul (bf16) whose output rows go straight to w8a8_quantize_row:
 // the same bits as quantizing their bf16 outputs, in one pass.

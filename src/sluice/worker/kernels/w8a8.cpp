@@ -118,6 +118,7 @@ void w8a8_quantize_row(const uint16_t* xr, W8A8Rows& rows, int64_t r) {
   const int64_t K = rows.K, Kp = padded_k(K), nblk = Kp / kBlock;
   int8_t* q = rows.q.data_ptr<int8_t>() + r * Kp;
   float* scales = rows.scales.data_ptr<float>() + r * nblk;
+  float* bsums = rows.bsums.data_ptr<float>() + r * nblk;
 #if defined(SLUICE_SIGN_TRICK)
   int8_t* qabs = rows.qabs.data_ptr<int8_t>() + r * Kp;
   int32_t* boff = rows.boff.data_ptr<int32_t>() + r * nblk;
@@ -153,7 +154,8 @@ void w8a8_quantize_row(const uint16_t* xr, W8A8Rows& rows, int64_t r) {
 #if defined(SLUICE_SIGN_TRICK)
     boff[b] = 128 * bsum;
 #endif
-    c += d * static_cast<float>(bsum);
+    bsums[b] = d * static_cast<float>(bsum);
+    c += bsums[b];
   }
   rows.corr.data_ptr<float>()[r] = 128.0f * c;
 }
@@ -163,6 +165,7 @@ W8A8Rows w8a8_rows(int64_t M, int64_t K, const at::TensorOptions& options) {
   W8A8Rows rows{at::empty({M, Kp}, options.dtype(at::kChar)),
                 at::empty({M, Kp / kBlock}, options.dtype(at::kFloat)),
                 at::empty({M}, options.dtype(at::kFloat)), K};
+  rows.bsums = at::empty({M, Kp / kBlock}, options.dtype(at::kFloat));
 #if defined(SLUICE_SIGN_TRICK)
   rows.qabs = at::empty({M, Kp}, options.dtype(at::kChar));
   rows.boff = at::empty({M, Kp / kBlock}, options.dtype(at::kInt));

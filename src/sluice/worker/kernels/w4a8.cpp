@@ -1,0 +1,319 @@
+// 4-bit weights x int8 activations (`--quantization w4a8`): weights as llama.cpp's Q4_1
+// keeps them, activations quantized to int8 per block of 32 as w8a8's are (w8a8.cpp).
+//
+// Format: each row of W is cut into blocks of 32 k, each block w ~ d * q + m with q in
+// 0..15 (its minimum m, its step d = (max - min) / 15: Q4_1's own form, so a Q4_1 GGUF's
+// weights come back as they were stored, to bf16 rounding). Per block of 32 k, an output
+// element adds
+//     sx * d * sum(q * qx) + m * (sx * sum(qx))
+// (sx, qx: the activation block's scale and int8 values; the bracket is the rows'
+// `bsums`, made once per row block by w8a8_quantize_row).
+//
+// Why: on a plain AVX2 CPU w8a8 pays for vpmaddubsw's operand types. Its weights are
+// signed, so each product needs the sign trick (vpsignb, then vpmaddubsw, then vpmaddwd
+// to widen), three instructions on Intel's two vector-multiply ports per 32 products
+// (docs/lab-notes.md). Weights in 0..15 are already the unsigned operand, and a pair of
+// products is at most 2 * 15 * 127, so eight vpmaddubsw results add up in int16 without
+// overflow: one vpmaddubsw per 32 products, plus an int16 add that port 5 takes too, and
+// one vpmaddwd per eight. Builds with vpdpbusd (AVX-512 VNNI, AVX-VNNI) multiply q as the
+// unsigned operand with no offset to take off.
+//
+// Every output element is reduced in an order fixed by its row alone (blocks in order, k
+// in order within a block, float sums in the same order in every build), so the kernel is
+// batch-invariant and every build gives the same bits.
+#include "aten.h"
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+
+#include "simd.h"
+
+namespace sluice {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kBlock = 32;                  // k per weight and activation scale
+constexpr int kStepsPerBlock = kBlock / 4;  // 4 k per 32-bit lane
+constexpr int kRows = 4;                    // register block: kRows x kCols groups of 16 columns
+#if defined(SLUICE_AVX2)
+constexpr int kCols = 1;  // 16 ymm registers: one group of 16 columns at a time
+#else
+constexpr int kCols = 3;
+#endif
+
+int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
+
+// acc += w . x over 4 k per lane: w unsigned bytes in 0..15, x 4 signed bytes broadcast.
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x4) {
+  int32_t x;
+  std::memcpy(&x, x4, sizeof(x));
+#if defined(SLUICE_SIGN_TRICK)
+  // vpmaddubsw takes w as its unsigned operand as is: pairs are at most 2 * 15 * 128.
+  const __m256i xv = _mm256_set1_epi32(x), ones = _mm256_set1_epi16(1);
+  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, xv), ones));
+  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, xv), ones));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
+#endif
+}
+
+// The activations as W8A8Rows holds them.
+struct Acts {
+  const int8_t* q;       // [M, Kp]
+  const float* scales;   // [M, nblk]: sx
+  const float* bsums;    // [M, nblk]: sx * sum(qx)
+  int64_t Kp;
+};
+
+#if defined(SLUICE_SIGN_TRICK)
+// The plain AVX2 build's 4-row x 16-column block over the whole of K, as asm with every
+// register fixed: each row's int16 sums of a block in ymm 2r (columns 0-7) and 2r+1
+// (8-15), the step's weights in ymm8-9, vpmaddwd's ones in ymm10, a row's 4 activation
+// bytes broadcast into ymm11, products and then the block's scales in ymm12-13, a row's
+// sx or bsum in ymm15. Per block: eight steps of vpmaddubsw into the int16 sums (at most
+// 8 x 2 x 15 x 127 = 30,480: no overflow), vpmaddwd by ones to int32, then block<4, 1>'s
+// float arithmetic in its order: acc = fma(float(sum), sx * d, acc); acc = fma(m, bsum, acc).
+// The float sums live in acc (64 floats, zeroed by the caller); 16 registers hold no more.
+#define SLUICE_W4_ROW(xaddr, lo, hi, OP)                          \
+  "vpbroadcastd " xaddr ", %%ymm11\n\t"                           \
+  "vpmaddubsw %%ymm11, %%ymm8, %%ymm12\n\t"                       \
+  "vpmaddubsw %%ymm11, %%ymm9, %%ymm13\n\t"                       \
+  OP(lo, hi)
+#define SLUICE_W4_FIRST(lo, hi) "vmovdqa %%ymm12, %%ymm" lo "\n\t" "vmovdqa %%ymm13, %%ymm" hi "\n\t"
+#define SLUICE_W4_ADD(lo, hi) "vpaddw %%ymm12, %%ymm" lo ", %%ymm" lo "\n\t" "vpaddw %%ymm13, %%ymm" hi ", %%ymm" hi "\n\t"
+#define SLUICE_W4_STEP(s, OP)                                     \
+  "vmovdqu " #s "*64(%[w]), %%ymm8\n\t"                           \
+  "vmovdqu " #s "*64+32(%[w]), %%ymm9\n\t"                        \
+  SLUICE_W4_ROW(#s "*4(%[q])", "0", "1", OP)                      \
+  SLUICE_W4_ROW(#s "*4(%[q],%[kp],1)", "2", "3", OP)              \
+  SLUICE_W4_ROW(#s "*4(%[q],%[kp],2)", "4", "5", OP)              \
+  SLUICE_W4_ROW(#s "*4(%[q3])", "6", "7", OP)
+#define SLUICE_W4_SCALE(saddr, baddr, lo, hi, off)                \
+  "vpmaddwd %%ymm10, %%ymm" lo ", %%ymm" lo "\n\t"                \
+  "vpmaddwd %%ymm10, %%ymm" hi ", %%ymm" hi "\n\t"                \
+  "vcvtdq2ps %%ymm" lo ", %%ymm" lo "\n\t"                        \
+  "vcvtdq2ps %%ymm" hi ", %%ymm" hi "\n\t"                        \
+  "vbroadcastss " saddr ", %%ymm15\n\t"                           \
+  "vmulps (%[d]), %%ymm15, %%ymm12\n\t"                           \
+  "vmulps 32(%[d]), %%ymm15, %%ymm13\n\t"                         \
+  "vfmadd213ps " off "(%[acc]), %%ymm12, %%ymm" lo "\n\t"         \
+  "vfmadd213ps " off "+32(%[acc]), %%ymm13, %%ymm" hi "\n\t"      \
+  "vbroadcastss " baddr ", %%ymm15\n\t"                           \
+  "vfmadd231ps (%[m]), %%ymm15, %%ymm" lo "\n\t"                  \
+  "vfmadd231ps 32(%[m]), %%ymm15, %%ymm" hi "\n\t"                \
+  "vmovups %%ymm" lo ", " off "(%[acc])\n\t"                      \
+  "vmovups %%ymm" hi ", " off "+32(%[acc])\n\t"
+
+// w: the group's first step; q: row 0's activations, kp bytes per row; s, b: row 0's
+// block scales and bsums, nblk per row; d, m: the group's block 0 scales and minimums (16
+// floats per block); pf: the Prefetch's share, lines_per_step per block.
+void block_4x1_avx2(float* acc, const uint8_t* w, const int8_t* q, int64_t kp, const float* s, const float* b,
+                    int64_t nblk, const float* d, const float* m, Prefetch pf) {
+  const int8_t* q3 = q + 3 * kp;
+  const float* s3 = s + 3 * nblk;
+  const float* b3 = b + 3 * nblk;
+  const int64_t ns = nblk * 4, lps = pf.lines_per_step;
+  const char* p = pf.p;
+  const char* pend = pf.p ? pf.end : nullptr;
+  int64_t n = nblk, tmp;
+  asm volatile(
+      "vpcmpeqw %%ymm10, %%ymm10, %%ymm10\n\t" "vpsrlw $15, %%ymm10, %%ymm10\n\t"  // 1 in every int16
+      "1:\n\t"
+      "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"
+      "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t"
+      "3:\n\t"
+      SLUICE_W4_STEP(0, SLUICE_W4_FIRST) SLUICE_W4_STEP(1, SLUICE_W4_ADD) SLUICE_W4_STEP(2, SLUICE_W4_ADD)
+      SLUICE_W4_STEP(3, SLUICE_W4_ADD) SLUICE_W4_STEP(4, SLUICE_W4_ADD) SLUICE_W4_STEP(5, SLUICE_W4_ADD)
+      SLUICE_W4_STEP(6, SLUICE_W4_ADD) SLUICE_W4_STEP(7, SLUICE_W4_ADD)
+      SLUICE_W4_SCALE("(%[s])", "(%[b])", "0", "1", "0")
+      SLUICE_W4_SCALE("(%[s],%[ns],1)", "(%[b],%[ns],1)", "2", "3", "64")
+      SLUICE_W4_SCALE("(%[s],%[ns],2)", "(%[b],%[ns],2)", "4", "5", "128")
+      SLUICE_W4_SCALE("(%[s3])", "(%[b3])", "6", "7", "192")
+      "add $512, %[w]\n\t" "add $32, %[q]\n\t" "add $32, %[q3]\n\t" "add $4, %[s]\n\t" "add $4, %[s3]\n\t"
+      "add $4, %[b]\n\t" "add $4, %[b3]\n\t" "add $64, %[d]\n\t" "add $64, %[m]\n\t"
+      "decq %[n]\n\t" "jnz 1b\n\t"
+      : [w] "+r"(w), [q] "+r"(q), [q3] "+r"(q3), [s] "+r"(s), [s3] "+r"(s3), [b] "+r"(b), [b3] "+r"(b3),
+        [d] "+r"(d), [m] "+r"(m), [p] "+r"(p), [n] "+m"(n), [tmp] "=&r"(tmp)
+      : [kp] "r"(kp), [ns] "r"(ns), [acc] "r"(acc), [pend] "m"(pend), [lps] "m"(lps)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm15", "memory", "cc");
+}
+#undef SLUICE_W4_ROW
+#undef SLUICE_W4_FIRST
+#undef SLUICE_W4_ADD
+#undef SLUICE_W4_STEP
+#undef SLUICE_W4_SCALE
+constexpr bool kAsmBlock = true;
+#else
+constexpr bool kAsmBlock = false;
+inline void block_4x1_avx2(float*, const uint8_t*, const int8_t*, int64_t, const float*, const float*, int64_t,
+                           const float*, const float*, Prefetch) {}
+#endif
+
+// R rows x C groups of 16 columns over the whole of K, then the bias and the store.
+// wd, wm: [NB][nblk][16] block scales and minimums.
+template <int R, int C>
+void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
+           const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
+  const int64_t Kp = x.Kp, nblk = Kp / kBlock;
+  __m512 acc[R][C];
+  if (kAsmBlock && R == 4 && C == 1 && nblk > 0) {
+    alignas(64) float sums[R * kLanes] = {};
+    block_4x1_avx2(sums, w + nb0 * KS * kLanes * 4, x.q + m0 * Kp, Kp, x.scales + m0 * nblk, x.bsums + m0 * nblk,
+                   nblk, wd + nb0 * nblk * kLanes, wm + nb0 * nblk * kLanes, pf);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_load_ps(sums + r * kLanes);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; ++b) {
+      pf.step();
+      __m512i isum[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+      for (int s = 0; s < kStepsPerBlock; ++s) {
+        const int64_t step = b * kStepsPerBlock + s;
+        __m512i wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) isum[r][c] = dot4(isum[r][c], wv[c], x.q + (m0 + r) * Kp + step * 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 sx = _mm512_set1_ps(x.scales[(m0 + r) * nblk + b]);
+        const __m512 bs = _mm512_set1_ps(x.bsums[(m0 + r) * nblk + b]);
+        for (int c = 0; c < C; ++c) {
+          const int64_t at = ((nb0 + c) * nblk + b) * kLanes;
+          const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(wd + at), sx);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), t, acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + at), bs, acc[r][c]);
+        }
+      }
+    }
+  }
+  const size_t esz = out_f32 ? 4 : 2;
+  for (int r = 0; r < R; ++r) {
+    char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (nb0 + c) * kLanes, left = N - n0;
+      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 v = acc[r][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n0));
+      if (out_f32) _mm512_mask_storeu_ps(reinterpret_cast<float*>(row) + n0, m, v);
+      else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row) + n0, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+template <int R>
+void block_cols(int C, const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
+                const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
+  if constexpr (kCols == 1) {  // one group at a time (the same sums, in the same order)
+    for (int c = 0; c < C; ++c) block<R, 1>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf);
+  } else {
+    switch (C) {
+      case 1: return block<R, 1>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+      case 2: return block<R, 2>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+      default: return block<R, kCols>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+    }
+  }
+}
+
+}  // namespace
+
+// q: [N, K] uint8 in 0..15, d, m: [N, ceil(K / 32)] float32 -> (weights [N/16][Kp/4][16][4]
+// uint8, scales [N/16][nblk][16], minimums likewise), N padded to 16 (with zero scales
+// and minimums) and K to a whole block (with zero weights).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at::Tensor d, at::Tensor m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "4-bit weights must be [N, K] uint8");
+  const int64_t N = q.size(0), K = q.size(1), Kp = padded_k(K), nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
+  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, "4-bit weights must lie in 0..15");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == nblk && m.sizes() == d.sizes(),
+              "one scale and one minimum per row and block of 32");
+  q = q.contiguous();
+  d = d.to(at::kFloat).contiguous();
+  m = m.to(at::kFloat).contiguous();
+  const int64_t KS = Kp / 4;
+  auto out = at::zeros({NB, KS, kLanes, 4}, q.options());
+  auto od = at::zeros({NB, nblk, kLanes}, d.options());
+  auto om = at::zeros({NB, nblk, kLanes}, d.options());
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k)
+      dst[(((n / kLanes) * KS + k / 4) * kLanes + n % kLanes) * 4 + k % 4] = src[n * K + k];
+    for (int64_t b = 0; b < nblk; ++b) {
+      od.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = d.data_ptr<float>()[n * nblk + b];
+      om.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = m.data_ptr<float>()[n * nblk + b];
+    }
+  }
+  return {out, od, om};
+}
+
+at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
+                            c10::optional<at::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4, "weights packed by w4a8_pack_weight expected");
+  const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
+  TORCH_CHECK(packed.size(0) == NB && packed.size(1) == KS, "packed weight does not match [N, K]");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
+              m.scalar_type() == at::kFloat && m.is_contiguous() && m.numel() == d.numel(),
+              "block scales and minimums packed by w4a8_pack_weight expected");
+  const auto bias_f = float_or_empty(bias);
+  auto out = at::empty({M, N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const Acts acts{x.q.data_ptr<int8_t>(), x.scales.data_ptr<float>(), x.bsums.data_ptr<float>(), Kp};
+  const float* wd = d.data_ptr<float>();
+  const float* wm = m.data_ptr<float>();
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  void* op = out.data_ptr();
+  const int64_t units = (NB + kCols - 1) / kCols;
+  std::vector<std::pair<int64_t, int>> rows;  // (first row, rows) of each row block
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    const int r = left >= kRows ? kRows : left >= 2 ? 2 : 1;
+    rows.emplace_back(m0, r);
+    m0 += r;
+  }
+  // As linear_w8a8_rows: threads split column units, each unit's panel is reused by every
+  // row block, and its passes prefetch the thread's next panel.
+  parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t nb0 = u * kCols;
+      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
+      const int64_t passes = static_cast<int64_t>(rows.size());
+      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses
+                 ? reinterpret_cast<const char*>(w + (nb0 + kCols) * KS * kLanes * 4) : nullptr;
+      const int64_t next_lines = next ? std::min<int64_t>(kCols, NB - nb0 - kCols) * KS * kLanes * 4 / 64 : 0;
+      for (int64_t p = 0; p < passes; ++p) {
+        const auto [m0, r] = rows[p];
+        const Prefetch pf = Prefetch::share(next, next_lines, p, passes, nblk);
+        switch (r) {
+          case 1: block_cols<1>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf); break;
+          case 2: block_cols<2>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf); break;
+          default: block_cols<kRows>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x: [M, K] bf16, quantized per block of 32 as linear_w8a8 does; then linear_w4a8_rows.
+at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  W8A8Rows rows = w8a8_rows(M, K, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) w8a8_quantize_row(xp + r * K, rows, r);
+  });
+  return linear_w4a8_rows(rows, packed, d, m, N, bias, out_float32);
+}
+
+}  // namespace sluice
