@@ -4,7 +4,8 @@
     python benchmarks/kernels.py [--attention-only] [--isa avx512|avx2_vnni|avx2]
 
 Linear: the 120 linear layers of a forward pass with 30 distinct sets of weights (so that
-they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activations too), and the LM head, by rows.
+they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activations too), w4a8 (4-bit weights,
+int8 activations), and the LM head, by rows.
 Attention: `paged_attention_varlen` per layer, decode (B sequences of L cached tokens)
 and one prompt of L tokens; and a c32 decode step's 30 layers with the K/V streaming from
 memory; each with a bf16 cache and an int8 one (`--kv-cache-dtype int8`). Medians of repeated calls, in ms.
@@ -50,12 +51,16 @@ def main() -> None:
              for name, (n, kk) in SHAPES.items()} for _ in range(30)]
     w8a8 = [{name: (k.w8a8_pack_weight(torch.randint(-127, 128, (n, kk), dtype=torch.int8)), torch.rand(n) * 0.01)
              for name, (n, kk) in SHAPES.items()} for _ in range(30)] if getattr(k, "has_w8a8", False) else None
+    w4a8 = [{name: k.w4a8_pack_weight(torch.randint(0, 16, (n, kk), dtype=torch.uint8),
+                                      torch.rand(n, -(-kk // 32)) * 0.01, torch.rand(n, -(-kk // 32)) * -0.05)
+             for name, (n, kk) in SHAPES.items()} for _ in range(30)] if hasattr(k, "w4a8_linear") else None
     head = k.bi_pack_weight(torch.randn(49152, 576, dtype=torch.bfloat16) * 0.02)
     head8 = k.w8a8_pack_weight(torch.randint(-127, 128, (49152, 576), dtype=torch.int8)) if w8a8 else None
     hscale = torch.rand(49152) * 0.01
     for m in (() if args.attention_only else (1, 8, 32, 64, 256)):
         if m == 1:
-            print("rows | 120 layers bf16 ms (GFLOP/s) | int8 ms | w8a8 ms (GOP/s) | LM head bf16 ms | w8a8 ms")
+            print("rows | 120 layers bf16 ms (GFLOP/s) | int8 ms | w8a8 ms (GOP/s) | w4a8 ms (GOP/s) "
+                  "| LM head bf16 ms | w8a8 ms")
         xs = {name: torch.randn(m, kk, dtype=torch.bfloat16) for name, (n, kk) in SHAPES.items()}
         reps = 15 if m < 256 else 5
 
@@ -72,13 +77,19 @@ def main() -> None:
             for layer in w8a8:
                 for name, (n, _) in SHAPES.items():
                     k.w8a8_linear(xs[name], *layer[name], n, None, False)
+
+        def layers_w4a8():
+            for layer in w4a8:
+                for name, (n, _) in SHAPES.items():
+                    k.w4a8_linear(xs[name], *layer[name], n, None, False)
         t = median_ms(layers_bf16, reps)
         t8 = median_ms(layers_int8, reps) if m <= 32 else float("nan")
         tq = median_ms(layers_w8a8, reps) if w8a8 else float("nan")
+        t4 = median_ms(layers_w4a8, reps) if w4a8 else float("nan")
         th = median_ms(lambda: k.bi_linear(xs["o"], head, 49152, None, True), reps)
         thq = median_ms(lambda: k.w8a8_linear(xs["o"], head8, hscale, 49152, None, True), reps) if w8a8 else float("nan")
         print(f"{m:4d} | {t:7.2f} ({flops * m / t / 1e6:5.1f}) | {t8:7.2f} | {tq:7.2f} ({flops * m / tq / 1e6:5.1f}) "
-              f"| {th:6.2f} | {thq:6.2f}", flush=True)
+              f"| {t4:7.2f} ({flops * m / t4 / 1e6:5.1f}) | {th:6.2f} | {thq:6.2f}", flush=True)
 
     heads, kv_heads, dim, block = 9, 3, 64, 16
     num_blocks = 4096

@@ -80,15 +80,17 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens")
     ap.add_argument("--corpus-prompts", type=int, default=32, help="greedy prompts cut from the corpus")
-    ap.add_argument("--variants", default="bfloat16,int8,w8a8,bf16+kv8,w8a8+kv8",
+    ap.add_argument("--variants", default="bfloat16,int8,w8a8,w4a8,bf16+kv8,w8a8+kv8,w4a8+kv8",
                     help="compared with float32 (+kv8: the int8 KV cache)")
     ap.add_argument("--cpu-isa", default="auto", help="kernel build for the variants (float32 runs torch's ops)")
     args = ap.parse_args()
     variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
                 "int8": dict(dtype="bfloat16", quantization="int8"),
                 "w8a8": dict(dtype="bfloat16", quantization="w8a8"),
+                "w4a8": dict(dtype="bfloat16", quantization="w4a8"),
                 "bf16+kv8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
-                "w8a8+kv8": dict(dtype="bfloat16", quantization="w8a8", kv_cache_dtype="int8")}
+                "w8a8+kv8": dict(dtype="bfloat16", quantization="w8a8", kv_cache_dtype="int8"),
+                "w4a8+kv8": dict(dtype="bfloat16", quantization="w4a8", kv_cache_dtype="int8")}
     variants = {k: v for k, v in variants.items() if k == "float32" or k in args.variants.split(",")}
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     tokens, extra_tokens, rows = {}, {}, {}
