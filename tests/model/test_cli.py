@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("flags", [[], pytest.param(["--kv-cache-dtype", "int8"],
+@pytest.mark.parametrize("flags", [[], pytest.param(["--quantization", "w4a8", "--kv-cache-dtype", "int8"],
                                                      marks=pytest.mark.requires("kernels"))])
 def test_generate_on_default_model_answers_paris(flags):
     env = dict(os.environ, HF_HUB_OFFLINE="1")

@@ -54,16 +54,20 @@ def test_int8_linear_matches_reference_and_is_row_invariant(k):
         assert torch.equal(k.bi_linear_int8(x[s:s + m], packed, scale, n, None, True), full[s:s + m]), (s, m)
 
 
-def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
-    """x quantized to int8 per block of 32 k (scale max|x| / 127, round half to even), times
-    the int8 weights and their column scales, in float64."""
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x quantized to int8 per block of 32 k (scale max|x| / 127, round half to even), as
+    the w8a8 and w4a8 kernels do, dequantized in float64."""
     m, kdim = x.shape
     kp = (kdim + 31) // 32 * 32
     blocks = F.pad(x.float(), (0, kp - kdim)).reshape(m, -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     xq = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
-    xd = (xq.double() * (amax / 127).double()).reshape(m, kp)[:, :kdim]
-    y = xd @ (q.double() * scale.double()[:, None]).T
+    return (xq.double() * (amax / 127).double()).reshape(m, kp)[:, :kdim]
+
+
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """x quantized per block of 32 times the int8 weights and their column scales, in float64."""
+    y = quantized_activations(x) @ (q.double() * scale.double()[:, None]).T
     return y if bias is None else y + bias.double()
 
 
@@ -92,16 +96,12 @@ def test_w8a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
 
 
 def w4a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, mn: torch.Tensor, bias=None) -> torch.Tensor:
-    """x quantized as w8a8_reference does, times the 4-bit weights d * q + m, in float64."""
-    m, kdim = x.shape
+    """x quantized per block of 32 times the 4-bit weights d * q + m, in float64."""
+    kdim = x.shape[1]
     kp = (kdim + 31) // 32 * 32
-    blocks = F.pad(x.float(), (0, kp - kdim)).reshape(m, -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    xq = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
-    xd = (xq.double() * (amax / 127).double()).reshape(m, kp)[:, :kdim]
     qb = F.pad(q.double(), (0, kp - kdim)).reshape(q.shape[0], -1, 32)
     w = (qb * d.double()[..., None] + mn.double()[..., None]).reshape(q.shape[0], kp)[:, :kdim]
-    y = xd @ w.T
+    y = quantized_activations(x) @ w.T
     return y if bias is None else y + bias.double()
 
 

@@ -45,6 +45,8 @@ struct W8A8Rows {
 W8A8Rows w8a8_rows(int64_t M, int64_t K, const at::TensorOptions& options);
 // Quantizes one bf16 row of K values into row r.
 void w8a8_quantize_row(const uint16_t* x, W8A8Rows& rows, int64_t r);
+// Every row of x ([M, K] bf16), rows over threads.
+W8A8Rows w8a8_quantize(at::Tensor x);
 at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor scale, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32);
 // w4a8.cpp: 4-bit weights (Q4_1's form: per block of 32, a scale and a minimum) by the

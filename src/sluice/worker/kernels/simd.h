@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #if defined(SLUICE_AVX2)
 #include "avx2/avx512_on_avx2.h"
@@ -184,6 +186,37 @@ void parallel_units(int64_t units, bool balance, const F& f) {
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) f(t * share, (t + 1) * share);
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) f(u, u + 1);
+  });
+}
+
+
+// The column-panel loop of the int8 linear kernels (w8a8.cpp, w4a8.cpp). Rows are cut
+// into blocks of max_rows (then 2, then 1); threads split units of `cols` groups of 16
+// columns (parallel_units); each unit's weight panel (group_bytes per group) is reused by
+// every row block, and the unit's passes prefetch the thread's next panel over `steps`
+// steps each (Prefetch: for w8a8's 120 layers, 8 rows 5.9 -> 4.6 ms and 32 rows 13.6 ->
+// 11.5-13.6 ms). f(nb0, C, m0, r, pf) runs the r rows from m0 over the C groups from nb0.
+template <typename F>
+void for_panels(int64_t M, int64_t NB, int cols, int max_rows, const uint8_t* w, int64_t group_bytes, int64_t steps,
+                const F& f) {
+  std::vector<std::pair<int64_t, int>> rows;  // (first row, rows) of each row block
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    const int r = left >= max_rows ? max_rows : left >= 2 ? 2 : 1;
+    rows.emplace_back(m0, r);
+    m0 += r;
+  }
+  const int64_t units = (NB + cols - 1) / cols, passes = static_cast<int64_t>(rows.size());
+  parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t nb0 = u * cols;
+      const int C = static_cast<int>(std::min<int64_t>(cols, NB - nb0));
+      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses
+                             ? reinterpret_cast<const char*>(w + (nb0 + cols) * group_bytes) : nullptr;
+      const int64_t next_lines = next ? std::min<int64_t>(cols, NB - nb0 - cols) * group_bytes / 64 : 0;
+      for (int64_t p = 0; p < passes; ++p)
+        f(nb0, C, rows[p].first, rows[p].second, Prefetch::share(next, next_lines, p, passes, steps));
+    }
   });
 }
 

@@ -25,8 +25,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <utility>
-#include <vector>
 
 #include "kernels.h"
 
@@ -270,33 +268,12 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
   const float* wm = m.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   void* op = out.data_ptr();
-  const int64_t units = (NB + kCols - 1) / kCols;
-  std::vector<std::pair<int64_t, int>> rows;  // (first row, rows) of each row block
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t left = M - m0;
-    const int r = left >= kRows ? kRows : left >= 2 ? 2 : 1;
-    rows.emplace_back(m0, r);
-    m0 += r;
-  }
-  // As linear_w8a8_rows: threads split column units, each unit's panel is reused by every
-  // row block, and its passes prefetch the thread's next panel.
-  parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t nb0 = u * kCols;
-      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
-      const int64_t passes = static_cast<int64_t>(rows.size());
-      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses
-                 ? reinterpret_cast<const char*>(w + (nb0 + kCols) * KS * kLanes * 4) : nullptr;
-      const int64_t next_lines = next ? std::min<int64_t>(kCols, NB - nb0 - kCols) * KS * kLanes * 4 / 64 : 0;
-      for (int64_t p = 0; p < passes; ++p) {
-        const auto [m0, r] = rows[p];
-        const Prefetch pf = Prefetch::share(next, next_lines, p, passes, nblk);
-        switch (r) {
-          case 1: block_cols<1>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf); break;
-          case 2: block_cols<2>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf); break;
-          default: block_cols<kRows>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf); break;
-        }
-      }
+  // As linear_w8a8_rows: threads split column panels, each reused by every row block.
+  for_panels(M, NB, kCols, kRows, w, KS * kLanes * 4, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+    switch (r) {
+      case 1: return block_cols<1>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+      case 2: return block_cols<2>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+      default: return block_cols<kRows>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
     }
   });
   return out;
@@ -305,15 +282,7 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
 // x: [M, K] bf16, quantized per block of 32 as linear_w8a8 does; then linear_w4a8_rows.
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                        c10::optional<at::Tensor> bias, bool out_float32) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  W8A8Rows rows = w8a8_rows(M, K, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) w8a8_quantize_row(xp + r * K, rows, r);
-  });
-  return linear_w4a8_rows(rows, packed, d, m, N, bias, out_float32);
+  return linear_w4a8_rows(w8a8_quantize(x), packed, d, m, N, bias, out_float32);
 }
 
 }  // namespace sluice

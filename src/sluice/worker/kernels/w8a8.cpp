@@ -507,10 +507,7 @@ at::Tensor w8a8_pack_weight(at::Tensor q) {
   return out;
 }
 
-// x: [M, K] bf16; packed from w8a8_pack_weight; scale: [N] per output column. Returns
-// [M, N] bf16, or float32 when out_float32 (the LM head).
-at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
-                       c10::optional<at::Tensor> bias, bool out_float32) {
+W8A8Rows w8a8_quantize(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -519,7 +516,14 @@ at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) w8a8_quantize_row(xp + r * K, rows, r);
   });
-  return linear_w8a8_rows(rows, packed, scale, N, bias, out_float32);
+  return rows;
+}
+
+// x: [M, K] bf16; packed from w8a8_pack_weight; scale: [N] per output column. Returns
+// [M, N] bf16, or float32 when out_float32 (the LM head).
+at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
+                       c10::optional<at::Tensor> bias, bool out_float32) {
+  return linear_w8a8_rows(w8a8_quantize(x), packed, scale, N, bias, out_float32);
 }
 
 // The linear layer over activations already quantized (by linear_w8a8, or by a fused
@@ -546,37 +550,15 @@ at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor sca
   const float* ws = scale_f.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   void* op = out.data_ptr();
-  const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kCols - 1) / kCols;
-  std::vector<std::pair<int64_t, int>> rows;  // (first row, rows) of each row block
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t left = M - m0;
-    const int r = left >= kRows ? kRows : left >= 2 ? 2 : 1;
-    rows.emplace_back(m0, r);
-    m0 += r;
-  }
-  // Threads split column units; each unit's weight panel is reused by every row block,
-  // and its passes prefetch the thread's next panel (simd.h's Prefetch; 8 rows 5.9 -> 4.6
-  // ms and 32 rows 13.6 -> 11.5-13.6 ms for the 120 layers).
-  parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t nb0 = u * kCols;
-      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
-      const int64_t passes = static_cast<int64_t>(rows.size());
-      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses
-                 ? reinterpret_cast<const char*>(w + (nb0 + kCols) * KS * kLanes * 4) : nullptr;
-      const int64_t next_lines = next ? std::min<int64_t>(kCols, NB - nb0 - kCols) * KS * kLanes * 4 / 64 : 0;
-      const int64_t nblk = Kp / kBlock;
-      for (int64_t p = 0; p < passes; ++p) {
-        const auto [m0, r] = rows[p];
-        const Prefetch pf = Prefetch::share(next, next_lines, p, passes, nblk);
-        switch (r) {
-          case 1: block_cols<1>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf); break;
-          case 2: block_cols<2>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf); break;
-          default: block_cols<kRows>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf); break;
-        }
-      }
-    }
-  });
+  const int64_t NB = (N + kLanes - 1) / kLanes;
+  for_panels(M, NB, kCols, kRows, w, KS * kLanes * 4, Kp / kBlock,
+             [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+               switch (r) {
+                 case 1: return block_cols<1>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf);
+                 case 2: return block_cols<2>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf);
+                 default: return block_cols<kRows>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf);
+               }
+             });
   return out;
 }
 
