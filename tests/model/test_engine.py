@@ -381,6 +381,7 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, best_kernel_
 
 
 def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, best_kernel_isa):
+    from sluice.backends.linear_methods import dequantize_4bit
     """4-bit weights times int8 activations: the middle layers run the w4a8 kernel on the
     Q4_1 GGUF's own 4-bit values (found again from its bf16 weights), the end layers and
     the head as w8a8's do; the answer holds and nothing leaks."""
@@ -396,8 +397,7 @@ def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, bes
     # The file's Q4_1 blocks hold 16 levels each, and every block's values are d * q + m.
     q, d, m = down.w4
     assert int(q.max()) == 15 and int(q.min()) == 0
-    blocks = down.weight.float().view(down.weight.shape[0], -1, 32)
-    assert torch.equal(blocks, (q.float().view_as(blocks) * d[..., None] + m[..., None]).to(torch.bfloat16).float())
+    assert torch.equal(down.weight, dequantize_4bit(q, d, m).to(torch.bfloat16))
     assert_all_blocks_free(llm)
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="w4a8", kv_cache_memory=0.1)

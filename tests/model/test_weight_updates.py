@@ -56,6 +56,9 @@ MODES = [
     pytest.param("llama-4layers", dict(dtype="bfloat16", quantization="w8a8"),
                  ["model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight",
                   "model.layers.0.input_layernorm.weight"], id="w8a8-partial", marks=pytest.mark.requires("kernels")),
+    pytest.param("llama-4layers", dict(dtype="bfloat16", quantization="w4a8"),
+                 ["model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"],
+                 id="w4a8-partial", marks=pytest.mark.requires("kernels")),
 ]
 
 

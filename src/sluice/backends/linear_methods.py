@@ -167,6 +167,14 @@ def quantize_4bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.view(n, kp)[:, :k].to(torch.uint8).contiguous(), d, mn
 
 
+def dequantize_4bit(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_4bit's values back: d * q + m per block of 32, float32 [N, K]."""
+    n, k = q.shape
+    nblk = d.shape[1]
+    qb = torch.nn.functional.pad(q.float(), (0, nblk * BLOCK_4BIT - k)).view(n, nblk, BLOCK_4BIT)
+    return (qb * d[..., None] + m[..., None]).view(n, -1)[:, :k]
+
+
 @torch.no_grad()
 def quantize_rows_4bit(module: Linear, start: int = 0, rows: int | None = None) -> None:
     """quantize_rows' 4-bit counterpart: rows [start, start + rows) of a Linear's weight to
@@ -175,15 +183,17 @@ def quantize_rows_4bit(module: Linear, start: int = 0, rows: int | None = None) 
     rows = module.weight.shape[0] - start if rows is None else rows
     w = module.weight.narrow(0, start, rows)
     q, d, m = quantize_4bit(w)
-    nblk = d.shape[1]
-    qf = torch.nn.functional.pad(q.float(), (0, nblk * BLOCK_4BIT - q.shape[1])).view(rows, nblk, BLOCK_4BIT)
-    deq = (qf * d[..., None] + m[..., None]).view(rows, -1)[:, :q.shape[1]]
-    w.copy_(deq.to(w.dtype))
+    w.copy_(dequantize_4bit(q, d, m).to(w.dtype))
     if getattr(module, "w4", None) is None:
-        full = module.weight.shape
+        full, nblk = module.weight.shape, d.shape[1]
         module.w4 = (torch.zeros(full, dtype=torch.uint8), torch.zeros(full[0], nblk), torch.zeros(full[0], nblk))
     for held, new in zip(module.w4, (q, d, m)):
         held[start:start + rows] = new
+
+
+# How each quantization scheme quantizes rows [start, start + rows) of a Linear in place,
+# at load and after a weight update (backends/prepare.py).
+ROW_QUANTIZERS = {"int8": quantize_rows, "w8a8": quantize_rows, "w4a8": quantize_rows_4bit}
 
 
 def int8_weight(module: Linear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

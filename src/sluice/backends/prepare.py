@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.backends.linear_methods import (Int8Weight, PackedWeight, int8_weight, kernel_weight, prepack_weight,
-                                            quantize_per_channel, quantize_rows, quantize_rows_4bit)
+from sluice.backends.linear_methods import (ROW_QUANTIZERS, Int8Weight, PackedWeight, int8_weight, kernel_weight,
+                                            prepack_weight, quantize_per_channel)
 from sluice.backends.ops import KernelOps
 from sluice.config import QUANTIZATIONS
 from sluice.models.linear import Linear
@@ -61,10 +61,8 @@ def prepare(model, plan, quantization: str | None = None, max_positions: int | N
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None, 'int8', 'w8a8' or 'w4a8', got {quantization!r}")
     for name, module in _linears(model):
-        if quantization == "w4a8":
-            quantize_rows_4bit(module)
-        elif quantization is not None:  # the same int8 weights; w8a8 also quantizes activations
-            quantize_rows(module)
+        if quantization is not None:  # int8 and w8a8: the same int8 weights
+            ROW_QUANTIZERS[quantization](module)
         module.method = _linear_method(model, name, module, plan, quantization)
     _finish(model, plan, quantization, max_positions, with_head)
 
@@ -85,7 +83,7 @@ def update(model, plan, quantization: str | None, written: dict[str, list[tuple[
         if isinstance(module, Linear):
             if quantization is not None and kind == "weight":
                 for start, rows in ranges:
-                    (quantize_rows_4bit if quantization == "w4a8" else quantize_rows)(module, start, rows)
+                    ROW_QUANTIZERS[quantization](module, start, rows)
             changed[owner] = module
     for name, module in changed.items():
         module.method = _linear_method(model, name, module, plan, quantization)
