@@ -381,10 +381,10 @@ def test_w8a8_quantization_runs_and_rejects_float32(smollm2_source, best_kernel_
 
 
 def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, best_kernel_isa):
-    from sluice.backends.linear_methods import dequantize_4bit
     """4-bit weights times int8 activations: the middle layers run the w4a8 kernel on the
     Q4_1 GGUF's own 4-bit values (found again from its bf16 weights), the end layers and
     the head as w8a8's do; the answer holds and nothing leaks."""
+    from sluice.backends.linear_methods import dequantize_4bit
     llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", quantization="w4a8", kv_cache_memory=0.1)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
