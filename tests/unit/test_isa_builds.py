@@ -109,5 +109,6 @@ def test_argmax_and_greedy_head(builds):
 
     def head(k):
         approx = k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, vocab, None, True)
-        return k.argmax_rows(logits), approx, k.greedy_head(approx, x, k.bi_pack_weight(w), 16)
+        approx7 = k.head_w8a7(x, k.head_w8a7_pack(q), scale.float(), vocab)
+        return k.argmax_rows(logits), approx, k.greedy_head(approx, x, k.bi_pack_weight(w), 16), approx7
     same(builds, head)

@@ -1,6 +1,7 @@
 """The batched sampler against simple per-row reference computations."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sluice.sampling_params import SamplingParams
@@ -147,10 +148,12 @@ def test_kernel_argmax_matches_torch_argmax_ties_nan_and_inf_included(isa_kernel
                            theirs(logits.clone(), meta_for(params)).token_ids)
 
 
-def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax(isa_kernels):
-    """The LM head's greedy fast path: int8 x int8 logits pick 16 candidates per row, which
-    are rescored with the bf16 head's own arithmetic; the answer is the bf16 head's argmax,
-    even where int8 rounding ranked a different token first."""
+@pytest.mark.parametrize("seven_bit", [False, True], ids=["w8a8", "w8a7"])
+def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax(isa_kernels, seven_bit):
+    """The LM head's greedy fast path: int8 x int8 logits (or int8 weights by 7-bit
+    activations, head_w8a7) pick 16 candidates per row, which are rescored with the bf16
+    head's own arithmetic; the answer is the bf16 head's argmax, even where the rounding
+    ranked a different token first."""
     from sluice.backends.linear_methods import quantize_per_channel
     k = isa_kernels
     g = torch.Generator().manual_seed(0)
@@ -165,9 +168,18 @@ def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax(isa_kerne
         w[vocab - 1 - r, r % hidden] += 0.0005
     packed = k.bi_pack_weight(w)
     q, scale = quantize_per_channel(w)
-    approx = k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, vocab, None, True)
+    if seven_bit:
+        approx = k.head_w8a7(x, k.head_w8a7_pack(q), scale.float(), vocab)
+        # The kernel's 7-bit values (as it rounds them, in float32), summed in float64.
+        xp = torch.nn.functional.pad(x.float(), (0, -hidden % 32)).view(40, -1, 32)
+        mx = xp.abs().amax(2, keepdim=True)
+        x7 = torch.round(xp * torch.where(mx > 0, 63 / mx, 0)) * (mx / 63)
+        ref = (x7.view(40, -1)[:, :hidden].double() @ q.double().T) * scale.double()
+        torch.testing.assert_close(approx.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    else:
+        approx = k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, vocab, None, True)
     exact = k.bi_linear(x, packed, vocab, None, True)
-    assert not torch.equal(approx.argmax(-1), exact.argmax(-1))  # int8 alone gets some rows wrong
+    assert not torch.equal(approx.argmax(-1), exact.argmax(-1))  # the rounding alone gets some rows wrong
     assert torch.equal(k.greedy_head(approx, x, packed, 16), exact.argmax(-1))
     assert torch.equal(k.greedy_head(approx, x, packed, 1), approx.argmax(-1))
     for rows in (1, 3, 17):  # rows are independent of their batch

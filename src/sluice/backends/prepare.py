@@ -25,26 +25,34 @@ GREEDY_CANDIDATES = 16
 
 @dataclass
 class GreedyHead:
-    """The argmax of the bf16 LM head per row, fast: the head runs in int8 x int8 (w8a8,
-    ~0.6x the time of the bf16 head at 32 rows and ~0.3x at one) and its GREEDY_CANDIDATES
-    best tokens per row are rescored with the bf16 head's own arithmetic (the same bits);
-    the best of those is the answer. That is the full head's argmax unless int8 rounding
-    pushed the true best below GREEDY_CANDIDATES others (not seen in benchmarks/quality.py's
-    runs)."""
+    """The argmax of the bf16 LM head per row, fast: an approximate head runs first and its
+    GREEDY_CANDIDATES best tokens per row are rescored with the bf16 head's own arithmetic
+    (the same bits); the best of those is the answer. The approximate head has per-row
+    int8 weights times activations quantized per block of 32: to int8 (w8a8_linear, ~0.6x
+    the bf16 head's time at 32 rows, ~0.3x at one), or on the plain AVX2 build to 7 bits
+    (head_w8a7, without the sign trick: ~0.7x w8a8's time from 8 rows). That is the full
+    head's argmax unless the approximation pushed the true best below GREEDY_CANDIDATES
+    others: over ~8,000 greedy steps of the default model it ranked at most 2nd with
+    either activations (docs/lab-notes.md, session 37)."""
     kernels: object
-    w8a8: torch.Tensor       # the head's int8 weights, packed for w8a8_linear
-    scale: torch.Tensor      # their per-row scales
-    packed: torch.Tensor     # the bf16 head, packed for bi_linear
+    packed_int8: torch.Tensor  # the head's int8 weights, packed for w8a8_linear or head_w8a7
+    scale: torch.Tensor        # their per-row scales
+    packed: torch.Tensor       # the bf16 head, packed for bi_linear
     vocab_size: int
+    seven_bit: bool = False    # head_w8a7 rather than w8a8_linear
 
     def __call__(self, hidden: torch.Tensor, grammar=None) -> torch.Tensor:
-        """grammar: (rows, token bitmasks) of structured outputs: those rows' int8 logits
-        are masked before the candidates are picked, so their argmax is over the tokens
-        the grammar allows (the kernel never answers a masked candidate)."""
-        approx = self.kernels.w8a8_linear(hidden, self.w8a8, self.scale, self.vocab_size, None, True)
+        """grammar: (rows, token bitmasks) of structured outputs: those rows' approximate
+        logits are masked before the candidates are picked, so their argmax is over the
+        tokens the grammar allows (the kernel never answers a masked candidate)."""
+        k = self.kernels
+        if self.seven_bit:
+            approx = k.head_w8a7(hidden, self.packed_int8, self.scale, self.vocab_size)
+        else:
+            approx = k.w8a8_linear(hidden, self.packed_int8, self.scale, self.vocab_size, None, True)
         if grammar is not None:
-            self.kernels.apply_token_bitmask(approx, grammar[1], grammar[0])
-        return self.kernels.greedy_head(approx, hidden, self.packed, GREEDY_CANDIDATES)
+            k.apply_token_bitmask(approx, grammar[1], grammar[0])
+        return k.greedy_head(approx, hidden, self.packed, GREEDY_CANDIDATES)
 
 
 def _linears(model):
@@ -142,11 +150,13 @@ def _finish(model, plan, quantization: str | None, max_positions: int | None, wi
         else:
             head = model.lm_head.method
         model.head = dataclasses.replace(head, out_float32=True)  # float32 logits
-        if plan.head == "kernels-greedy-w8a8" and head.packed is not None:
+        if plan.head.startswith("kernels-greedy-") and head.packed is not None:
             # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
             q, scale = quantize_per_channel(model.head_weight())
-            model._greedy_head = GreedyHead(k, k.w8a8_pack_weight(q), scale.float().contiguous(), head.packed,
-                                            model.arch.vocab_size)
+            seven_bit = plan.head == "kernels-greedy-w8a7"
+            packed_int8 = k.head_w8a7_pack(q) if seven_bit else k.w8a8_pack_weight(q)
+            model._greedy_head = GreedyHead(k, packed_int8, scale.float().contiguous(), head.packed,
+                                            model.arch.vocab_size, seven_bit)
     ops = KernelOps(k)
     for module in model.modules():
         if hasattr(type(module), "ops"):

@@ -162,7 +162,10 @@ def select(model_config, cache_config, tensor_parallel_size: int = 1, log: bool 
                   "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8"}[m.quantization]
         attention = "kernels-varlen"         # every token, prompt or decode, in one call
         norm = rope = "kernels"
-        head = "kernels" if m.deterministic else "kernels-greedy-w8a8"
+        # The greedy argmax's approximate head (prepare.GreedyHead): int8 x int8 where
+        # vpdpbusd runs it; on plain AVX2, int8 weights by 7-bit activations, which need no
+        # sign trick (1.4x w8a8's speed there at 8-32 rows).
+        head = "kernels" if m.deterministic else "kernels-greedy-w8a7" if isa == "avx2" else "kernels-greedy-w8a8"
     else:
         from sluice.backends.platform import cpu
         prepack = m.device.startswith("cpu") and dtype == torch.bfloat16 and cpu().onednn_bf16

@@ -45,6 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("out_float32") = false);
 
+  // head_w8a7.cpp
+  m.def("head_w8a7_pack", &sluice::head_w8a7_pack, "pack [N, K] int8 weights as q + 128 for head_w8a7");
+  m.def("head_w8a7", &sluice::head_w8a7,
+        "approximate LM head logits: int8 weights packed as q + 128 by activations quantized to 7 bits per block of 32",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"));
   // w4a8.cpp
   m.def("w4a8_pack_weight", &sluice::w4a8_pack_weight,
         "pack [N, K] 4-bit weights (0..15) and their [N, K/32] block scales and minimums for w4a8_linear");
