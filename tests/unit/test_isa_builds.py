@@ -50,8 +50,7 @@ def test_linear_layers(builds, dtype, m, n, kdim):
                                 k.w8a8_linear(x, k.w8a8_pack_weight(q), scale, n, None, True)))
         q4 = quantize_4bit(w)
         same(builds, lambda k: (k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, b),
-                                k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, None, True),
-                                k.w4a16_linear(x, *k.w4a8_pack_weight(*q4), n, b)))
+                                k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, None, True)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -110,12 +110,9 @@ def _linear_method(model, name: str, module: Linear, plan, quantization: str | N
         last = len(model.model.layers) - 1
         ends = ("lm_head", "model.layers.0.", f"model.layers.{last}.")
         w8a8 = plan.linear == "kernels-w8a8" and not name.startswith(ends)
-        # w4a8 likewise, but its end layers take their activations in ~15 bits (w4a16: two
-        # int8 passes, finer than bf16 and ~0.75x its time on the plain AVX2 build) by the
-        # same 4-bit weights; int8 there flipped the answer above too.
-        w4 = module.w4 if plan.linear == "kernels-w4a8" and not name.startswith("lm_head") else None
-        w4a16 = w4 is not None and name.startswith(ends)
-        method = kernel_weight(k, module.weight, q, plan.deterministic, w8a8, w4, w4a16)
+        # w4a8 likewise; its end layers multiply the 4-bit weights' values in bf16.
+        w4 = module.w4 if plan.linear == "kernels-w4a8" and not name.startswith(ends) else None
+        method = kernel_weight(k, module.weight, q, plan.deterministic, w8a8, w4)
         # Row-parallel: each rank's partial sums stay float32 through the all-reduce and are
         # rounded once (Linear.forward), as one process rounds its whole sum (the tiny
         # model's logprobs: one process's to the bit, none of them when each rank rounded
@@ -181,8 +178,7 @@ def build_stack(model, k):
     def linear(module):
         w = module.method
         bias = None if module.bias is None else module.bias.detach()
-        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8, w.w4a8, w.w4d, w.w4m,
-                w.w4a16)
+        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8, w.w4a8, w.w4d, w.w4m)
 
     first = model.model.layers[0].self_attn
     stack = k.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, first.scale, model.model.norm.eps,

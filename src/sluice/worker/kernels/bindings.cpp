@@ -58,11 +58,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("out_float32") = false);
 
-  m.def("w4a16_linear", &sluice::linear_w4a16,
-        "x @ (q * d + m)^T (+ b), 4-bit weights per block of 32, x in ~15 bits per block of 32 (two int8 passes)",
-        py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("out_float32") = false);
-
   // argmax.cpp
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "structured outputs: logits[rows[r]] = -inf where bitmask[r] has a 0 bit, in place");

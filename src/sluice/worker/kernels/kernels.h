@@ -56,9 +56,6 @@ at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor
                        c10::optional<at::Tensor> bias, bool out_float32);
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32);
-// The same weights by activations split into two int8 halves (~15 bits): two passes.
-at::Tensor linear_w4a16(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                        c10::optional<at::Tensor> bias, bool out_float32);
 // head_w8a7.cpp: the greedy fast path's approximate LM head without the sign trick.
 at::Tensor head_w8a7_pack(at::Tensor q);
 at::Tensor head_w8a7(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N);

@@ -279,64 +279,6 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
   return out;
 }
 
-// w4a16: the same 4-bit weights by activations in ~15 bits, as two int8 passes. Per block
-// of 32, v = round(x / s) with s = max|x| / (127 * 128), so |v| <= 16256, then hi =
-// floor((v + 64) / 128) in -127..127 and lo = v - 128 hi in -64..63: x ~= 128 s hi + s lo,
-// each half a W8A8Rows that linear_w4a8_rows takes as it is (scales 128 s and s). Finer
-// than bf16 activations (8 bits of mantissa) at two w4a8 passes, ~0.75x the bf16 GEMM's
-// time on the plain AVX2 build: for the end layers, where int8 activations cost the most
-// accuracy (backends/prepare.py).
-namespace {
-void w4a16_split_row(const uint16_t* xr, W8A8Rows& hi, W8A8Rows& lo, int64_t r) {
-  const int64_t K = hi.K, Kp = padded_k(K), nblk = Kp / kBlock;
-  int8_t* qh = hi.q.data_ptr<int8_t>() + r * Kp;
-  int8_t* ql = lo.q.data_ptr<int8_t>() + r * Kp;
-  for (int64_t b = 0; b < nblk; ++b) {
-    __m512 v[kBlock / kLanes];
-    __m512 amax = _mm512_setzero_ps();
-    for (int i = 0; i < kBlock / kLanes; ++i) {
-      const int64_t k0 = b * kBlock + i * kLanes, left = K - k0;
-      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                          : left > 0    ? static_cast<__mmask16>((1u << left) - 1)
-                                        : static_cast<__mmask16>(0);
-      v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, xr + k0)), 16));
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-    }
-    const float mx = _mm512_reduce_max_ps(amax);
-    const float s = mx / 16256.0f, id = mx > 0.0f ? 16256.0f / mx : 0.0f;
-    __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
-    for (int i = 0; i < kBlock / kLanes; ++i) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(id)));
-      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(64)), 7);
-      const __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 7));
-      sh = _mm512_add_epi32(sh, h);
-      sl = _mm512_add_epi32(sl, l);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qh + b * kBlock + i * kLanes), _mm512_cvtsepi32_epi8(h));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(ql + b * kBlock + i * kLanes), _mm512_cvtsepi32_epi8(l));
-    }
-    hi.scales.data_ptr<float>()[r * nblk + b] = 128.0f * s;
-    lo.scales.data_ptr<float>()[r * nblk + b] = s;
-    hi.bsums.data_ptr<float>()[r * nblk + b] = 128.0f * s * static_cast<float>(_mm512_reduce_add_epi32(sh));
-    lo.bsums.data_ptr<float>()[r * nblk + b] = s * static_cast<float>(_mm512_reduce_add_epi32(sl));
-  }
-}
-}  // namespace
-
-at::Tensor linear_w4a16(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                        c10::optional<at::Tensor> bias, bool out_float32) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  W8A8Rows hi = w8a8_rows(M, K, x.options()), lo = w8a8_rows(M, K, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) w4a16_split_row(xp + r * K, hi, lo, r);
-  });
-  auto out = linear_w4a8_rows(hi, packed, d, m, N, bias, true);
-  out.add_(linear_w4a8_rows(lo, packed, d, m, N, c10::nullopt, true));
-  return out_float32 ? out : out.to(at::kBFloat16);
-}
-
 // x: [M, K] bf16, quantized per block of 32 as linear_w8a8 does; then linear_w4a8_rows.
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                        c10::optional<at::Tensor> bias, bool out_float32) {

@@ -220,9 +220,6 @@ SL_SI2(sl512_unpackhi_epi16, _mm256_unpackhi_epi16)
 SL_INLINE sl512_si sl512_slli_epi32(sl512_si a, const int n) {
   return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)};
 }
-SL_INLINE sl512_si sl512_srai_epi32(sl512_si a, const int n) {
-  return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)};
-}
 
 // -- conversions -----------------------------------------------------------------------
 SL_INLINE sl512_ps sl512_castsi512_ps(sl512_si a) { return {_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }
@@ -432,8 +429,6 @@ SL_INLINE __m256i sl512_mask_i64gather_epi32(__m256i src, uint8_t m, sl512_si in
 #define _mm512_unpackhi_epi16 sl512_unpackhi_epi16
 #undef _mm512_slli_epi32
 #define _mm512_slli_epi32 sl512_slli_epi32
-#undef _mm512_srai_epi32
-#define _mm512_srai_epi32 sl512_srai_epi32
 #undef _mm512_castsi512_ps
 #define _mm512_castsi512_ps sl512_castsi512_ps
 #undef _mm512_castps_si512
