@@ -31,20 +31,6 @@ constexpr int kRows = 4;
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
-// acc += w . x over 4 k per lane: w unsigned bytes, x 4 bytes in -63..63 broadcast.
-inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x4) {
-  int32_t x;
-  std::memcpy(&x, x4, sizeof(x));
-#if defined(SLUICE_SIGN_TRICK)
-  const __m256i xv = _mm256_set1_epi32(x), ones = _mm256_set1_epi16(1);
-  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, xv), ones));
-  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, xv), ones));
-  return acc;
-#else
-  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
-#endif
-}
-
 struct Acts7 {
   const int8_t* q;      // [M, Kp] in -63..63
   const float* scales;  // [M, nblk]
@@ -57,16 +43,7 @@ void quantize_row7(const uint16_t* xr, int64_t K, int8_t* q, float* scales, int3
   const int64_t nblk = padded_k(K) / kBlock;
   for (int64_t b = 0; b < nblk; ++b) {
     __m512 v[kBlock / kLanes];
-    __m512 amax = _mm512_setzero_ps();
-    for (int i = 0; i < kBlock / kLanes; ++i) {
-      const int64_t k0 = b * kBlock + i * kLanes, left = K - k0;
-      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                          : left > 0    ? static_cast<__mmask16>((1u << left) - 1)
-                                        : static_cast<__mmask16>(0);
-      v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, xr + k0)), 16));
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-    }
-    const float mx = _mm512_reduce_max_ps(amax);
+    const float mx = load_block32(xr, K, b, v);
     const float id = mx > 0.0f ? 63.0f / mx : 0.0f;
     __m512i sum = _mm512_setzero_si512();
     for (int i = 0; i < kBlock / kLanes; ++i) {
@@ -177,7 +154,7 @@ void block(const uint8_t* w, int64_t KS, const Acts7& x, int64_t nb, int64_t m0,
     for (int s = 0; s < kStepsPerBlock; ++s) {
       const int64_t step = b * kStepsPerBlock + s;
       const __m512i wv = _mm512_loadu_si512(w + (nb * KS + step) * kLanes * 4);
-      for (int r = 0; r < R; ++r) isum[r] = dot4(isum[r], wv, x.q + (m0 + r) * x.Kp + step * 4);
+      for (int r = 0; r < R; ++r) isum[r] = dot4_unsigned_signed(isum[r], wv, x.q + (m0 + r) * x.Kp + step * 4);
     }
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(x.scales[(m0 + r) * nblk + b]), acc[r]);

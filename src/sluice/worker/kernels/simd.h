@@ -49,6 +49,38 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// acc += w . x over 4 k per lane, w unsigned bytes and x 4 signed bytes broadcast, for
+// operands whose pairs of products cannot saturate vpmaddubsw's int16 (w4a8's weights in
+// 0..15; head_w8a7's activations in -63..63): there AVX2 has it in two instructions and a
+// widening add, without the sign trick.
+inline __m512i dot4_unsigned_signed(__m512i acc, __m512i w, const int8_t* x4) {
+  int32_t x;
+  std::memcpy(&x, x4, sizeof(x));
+#if defined(SLUICE_SIGN_TRICK)
+  const __m256i xv = _mm256_set1_epi32(x), ones = _mm256_set1_epi16(1);
+  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, xv), ones));
+  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, xv), ones));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
+#endif
+}
+
+// Block b of 32 values of a bf16 row of K (zeros past K) as two float vectors; returns
+// their largest magnitude (what the int8 quantizers scale each block of 32 by).
+inline float load_block32(const uint16_t* xr, int64_t K, int64_t b, __m512 v[2]) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < 2; ++i) {
+    const int64_t k0 = b * 32 + i * 16, left = K - k0;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                        : left > 0 ? static_cast<__mmask16>((1u << left) - 1)
+                                   : static_cast<__mmask16>(0);
+    v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, xr + k0)), 16));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  return _mm512_reduce_max_ps(amax);
+}
+
 // exp for 16 lanes: 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2, 2^f by its degree-6 Taylor
 // polynomial (relative error ~1e-7, below float32's own rounding of a softmax sum).
 inline __m512 exp16(__m512 x) {

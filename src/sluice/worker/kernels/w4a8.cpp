@@ -45,20 +45,9 @@ constexpr int kCols = 3;
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
-// acc += w . x over 4 k per lane: w unsigned bytes in 0..15, x 4 signed bytes broadcast.
-inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x4) {
-  int32_t x;
-  std::memcpy(&x, x4, sizeof(x));
-#if defined(SLUICE_SIGN_TRICK)
-  // vpmaddubsw takes w as its unsigned operand as is: pairs are at most 2 * 15 * 128.
-  const __m256i xv = _mm256_set1_epi32(x), ones = _mm256_set1_epi16(1);
-  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, xv), ones));
-  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, xv), ones));
-  return acc;
-#else
-  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
-#endif
-}
+// acc += w . x over 4 k per lane: w unsigned bytes in 0..15, x 4 signed bytes broadcast
+// (vpmaddubsw takes w as its unsigned operand as is: pairs are at most 2 * 15 * 128).
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x4) { return dot4_unsigned_signed(acc, w, x4); }
 
 // The activations as W8A8Rows holds them.
 struct Acts {

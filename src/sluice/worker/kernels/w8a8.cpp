@@ -126,17 +126,7 @@ void w8a8_quantize_row(const uint16_t* xr, W8A8Rows& rows, int64_t r) {
   float c = 0.0f;
   for (int64_t b = 0; b < nblk; ++b) {
     __m512 v[kBlock / kLanes];
-    __m512 amax = _mm512_setzero_ps();
-    for (int i = 0; i < kBlock / kLanes; ++i) {
-      const int64_t k0 = b * kBlock + i * kLanes, left = K - k0;
-      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                          : left > 0    ? static_cast<__mmask16>((1u << left) - 1)
-                                        : static_cast<__mmask16>(0);
-      const __m256i raw = _mm256_maskz_loadu_epi16(m, xr + k0);
-      v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-    }
-    const float mx = _mm512_reduce_max_ps(amax);
+    const float mx = load_block32(xr, K, b, v);
     const float d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
     __m512i sum = _mm512_setzero_si512();
     for (int i = 0; i < kBlock / kLanes; ++i) {
