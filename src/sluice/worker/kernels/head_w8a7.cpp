@@ -103,9 +103,7 @@ void block_4_avx2(float* acc, const uint8_t* w, const int8_t* q, int64_t kp, con
   asm volatile(
       "vpcmpeqw %%ymm10, %%ymm10, %%ymm10\n\t" "vpsrlw $15, %%ymm10, %%ymm10\n\t"  // 1 in every int16
       "1:\n\t"
-      "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"
-      "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t"
-      "3:\n\t"
+      SLUICE_ASM_PREFETCH_SHARE
       SLUICE_H7_INIT("(%[o])", "0", "1") SLUICE_H7_INIT("(%[o],%[ns],1)", "2", "3")
       SLUICE_H7_INIT("(%[o],%[ns],2)", "4", "5") SLUICE_H7_INIT("(%[o3])", "6", "7")
       SLUICE_H7_STEP(0) SLUICE_H7_STEP(1) SLUICE_H7_STEP(2) SLUICE_H7_STEP(3)
@@ -140,24 +138,25 @@ void block(const uint8_t* w, int64_t KS, const Acts7& x, int64_t nb, int64_t m0,
            const float* colscale, Prefetch pf) {
   const int64_t nblk = x.Kp / kBlock;
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   if (kAsmBlock && R == 4 && nblk > 0) {
     alignas(64) float sums[R * kLanes] = {};
     block_4_avx2(sums, w + nb * KS * kLanes * 4, x.q + m0 * x.Kp, x.Kp, x.scales + m0 * nblk, x.off + m0 * nblk,
                  nblk, pf);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_load_ps(sums + r * kLanes);
-  }
-  for (int64_t b = 0; b < (kAsmBlock && R == 4 ? 0 : nblk); ++b) {
-    pf.step();
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_set1_epi32(x.off[(m0 + r) * nblk + b]);
-    for (int s = 0; s < kStepsPerBlock; ++s) {
-      const int64_t step = b * kStepsPerBlock + s;
-      const __m512i wv = _mm512_loadu_si512(w + (nb * KS + step) * kLanes * 4);
-      for (int r = 0; r < R; ++r) isum[r] = dot4_unsigned_signed(isum[r], wv, x.q + (m0 + r) * x.Kp + step * 4);
+  } else {
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; ++b) {
+      pf.step();
+      __m512i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_set1_epi32(x.off[(m0 + r) * nblk + b]);
+      for (int s = 0; s < kStepsPerBlock; ++s) {
+        const int64_t step = b * kStepsPerBlock + s;
+        const __m512i wv = _mm512_loadu_si512(w + (nb * KS + step) * kLanes * 4);
+        for (int r = 0; r < R; ++r) isum[r] = dot4_unsigned_signed(isum[r], wv, x.q + (m0 + r) * x.Kp + step * 4);
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(x.scales[(m0 + r) * nblk + b]), acc[r]);
     }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(x.scales[(m0 + r) * nblk + b]), acc[r]);
   }
   const int64_t n0 = nb * kLanes, left = N - n0;
   const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
@@ -191,7 +190,7 @@ at::Tensor head_w8a7(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t 
               "one float32 scale per output column expected");
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  auto q = at::zeros({M, Kp}, x.options().dtype(at::kChar));
+  auto q = at::empty({M, Kp}, x.options().dtype(at::kChar));  // every block written, zeros past K
   auto scales = at::empty({M, nblk}, x.options().dtype(at::kFloat));
   auto off = at::empty({M, nblk}, x.options().dtype(at::kInt));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());

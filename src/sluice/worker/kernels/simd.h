@@ -81,6 +81,14 @@ inline float load_block32(const uint16_t* xr, int64_t K, int64_t b, __m512 v[2])
   return _mm512_reduce_max_ps(amax);
 }
 
+// The inline-asm blocks of the int8 kernels (w8a8.cpp, w4a8.cpp, head_w8a7.cpp), at the
+// top of each block of 32 k: this block's share of the next panel's prefetch
+// (Prefetch::step), lps lines from p while p < pend (operands p, pend, lps, tmp).
+#define SLUICE_ASM_PREFETCH_SHARE                                                 \
+  "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"                 \
+  "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t" \
+  "3:\n\t"
+
 // exp for 16 lanes: 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2, 2^f by its degree-6 Taylor
 // polynomial (relative error ~1e-7, below float32's own rounding of a softmax sum).
 inline __m512 exp16(__m512 x) {

@@ -111,9 +111,7 @@ void block_4x1_avx2(float* acc, const uint8_t* w, const int8_t* q, int64_t kp, c
   asm volatile(
       "vpcmpeqw %%ymm10, %%ymm10, %%ymm10\n\t" "vpsrlw $15, %%ymm10, %%ymm10\n\t"  // 1 in every int16
       "1:\n\t"
-      "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"
-      "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t"
-      "3:\n\t"
+      SLUICE_ASM_PREFETCH_SHARE
       SLUICE_W4_STEP(0, SLUICE_W4_FIRST) SLUICE_W4_STEP(1, SLUICE_W4_ADD) SLUICE_W4_STEP(2, SLUICE_W4_ADD)
       SLUICE_W4_STEP(3, SLUICE_W4_ADD) SLUICE_W4_STEP(4, SLUICE_W4_ADD) SLUICE_W4_STEP(5, SLUICE_W4_ADD)
       SLUICE_W4_STEP(6, SLUICE_W4_ADD) SLUICE_W4_STEP(7, SLUICE_W4_ADD)

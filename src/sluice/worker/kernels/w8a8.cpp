@@ -102,13 +102,6 @@ inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* /*xa
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
-// In the asm blocks below, at the top of each block of kBlock k: this block's share of the
-// next panel's prefetch (Prefetch::step), lps lines from p while p < pend.
-#define SLUICE_ASM_PREFETCH_SHARE                                                 \
-  "cmp %[pend], %[p]\n\t" "jae 3f\n\t" "mov %[lps], %[tmp]\n\t"                 \
-  "2:\n\t" "prefetcht1 (%[p])\n\t" "add $64, %[p]\n\t" "dec %[tmp]\n\t" "jnz 2b\n\t" \
-  "3:\n\t"
-
 }  // namespace
 
 // One row of x (K bf16) -> its int8 values, per-block scales and offset correction, in
