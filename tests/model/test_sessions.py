@@ -15,7 +15,9 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 def agent_run(path: str, session: bool, **kwargs):
     """Call 1, then traffic that cycles the whole cache, then call 2 (history + reply + a
     tool result). Returns (llm, call 2's output)."""
-    llm = LLM(model=path, dtype="float32", num_blocks=24, **kwargs)  # 384 tokens of KV
+    # 384 tokens of KV. The pin's TTL (wall-clock seconds) far above what the traffic
+    # between the calls takes on any machine, so that only the traffic decides.
+    llm = LLM(model=path, dtype="float32", num_blocks=24, session_ttl_s=3600, session_ttl_max_s=3600, **kwargs)
     rng = random.Random(0)
     history = [rng.randrange(3, 400) for _ in range(120)]
     sid = "agent-1" if session else None
