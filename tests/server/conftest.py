@@ -107,7 +107,54 @@ def client(server):
     return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def wait_all_blocks_free(llm, timeout: float = 5.0) -> None:
+class StepGate:
+    """Holds a real engine's steps for a test. While shut, the engine thread takes in what
+    arrives (requests, aborts) and runs no step, so a crowd meets in the engine at once,
+    or a running request stays where it is, however fast or slow this machine runs the
+    test: what the test then asserts about the schedule is decided by the requests, not by
+    the clock. `open(steps=n)` lets n steps run, then shuts again; `open()` stays open.
+    Use it as a context manager (it removes itself, open, at the end)."""
+
+    def __init__(self, aengine: AsyncEngine, shut: bool = True):
+        self.aengine, self.engine = aengine, aengine.engine
+        self._allowed: int | None = 0 if shut else None   # steps left before it shuts; None: open
+        self._has_work = self.engine.has_unfinished_requests
+        self._step = self.engine.step
+        # The engine loop steps only while the engine has work: shut, it sees none, and
+        # sleeps until a command arrives (the instance attributes shadow the methods).
+        self.engine.has_unfinished_requests = lambda: self._allowed != 0 and self._has_work()
+        self.engine.step = self._counted_step
+
+    def _counted_step(self):
+        try:
+            return self._step()
+        finally:
+            if self._allowed:
+                self._allowed -= 1
+
+    def shut(self) -> None:
+        self._allowed = 0
+
+    def open(self, steps: int | None = None) -> None:
+        self._allowed = steps
+        self.aengine._wake.set()
+
+    def wait_until(self, condition, what: str, timeout: float = 120.0) -> None:
+        """Until condition(engine) holds; a hang guard, far above what any machine needs."""
+        deadline = time.monotonic() + timeout
+        while not condition(self.engine):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.005)
+
+    def __enter__(self) -> "StepGate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.has_unfinished_requests, self.engine.step
+        self.aengine._wake.set()
+
+
+def wait_all_blocks_free(llm, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if llm.kv.num_free_blocks == llm.kv.num_blocks and not llm.has_unfinished_requests():

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from tests.server.conftest import MODEL, RunningServer, start_engine, wait_all_blocks_free
+from tests.server.conftest import MODEL, RunningServer, StepGate, start_engine, wait_all_blocks_free
 from sluice.entrypoints.openai.api_server import ServerConfig
 
 pytestmark = pytest.mark.requires("kernels")
@@ -42,18 +42,33 @@ def neighbour(client: OpenAI, i: int) -> None:
         pass
 
 
+def outgrower(client: OpenAI) -> None:
+    """Eight samples added to the engine at once that never stop early: prompt + 60 tokens
+    each is 6 blocks, 2 of them the shared prompt's, so 2 + 8 x 4 = 34 blocks of the 24,
+    however the other requests come and go: someone is preempted, certainly."""
+    words = " ".join(["alpha", "beta", "gamma", "delta"] * 8)
+    r = client.completions.create(model=MODEL, prompt=words, max_tokens=60, n=8, temperature=1.0,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 8 and all(c.finish_reason == "length" for c in r.choices)
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, seed=11)])
 def test_probe_bitwise_equal_with_and_without_neighbours(det_server, sampling):
     client = OpenAI(base_url=f"{det_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     alone = probe(client, **sampling)
-    preempted = det_server.engine.engine.scheduler.num_preemptions
-    with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(neighbour, client, i) for i in range(14)]
+    scheduler = det_server.engine.engine.scheduler
+    preempted = scheduler.num_preemptions
+    # Everyone is queued before the first step (StepGate), so the probes share their steps
+    # with the crowd however slowly this machine sends it.
+    with StepGate(det_server.engine) as gate, ThreadPoolExecutor(17) as pool:
+        futures = [pool.submit(neighbour, client, i) for i in range(14)] + [pool.submit(outgrower, client)]
         crowded = [pool.submit(probe, client, **sampling) for _ in range(2)]
+        gate.wait_until(lambda e: e.scheduler.num_waiting == 14 + 8 + 2, "the crowd to be queued")
+        gate.open()
         results = [f.result() for f in crowded]
         for f in futures:
             f.result()
     for got in results:
         assert got == alone
-    assert det_server.engine.engine.scheduler.num_preemptions > preempted
+    assert scheduler.num_preemptions > preempted
     wait_all_blocks_free(det_server.engine.engine)

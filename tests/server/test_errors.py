@@ -7,7 +7,8 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, RunningServer, metric_value, start_engine, wait_all_blocks_free
+from tests.server.conftest import (MODEL, RunningServer, StepGate, metric_value, start_engine,
+                                   wait_all_blocks_free)
 
 
 def post(url, path, body=None, content=None, headers=None):
@@ -69,7 +70,9 @@ def test_unknown_model_and_route_404(server):
 
 
 def test_overload_is_429_with_retry_after(server):
-    """One seat, two waiting places: the fourth concurrent request is turned away."""
+    """One seat, two waiting places: the fourth concurrent request is turned away. The
+    engine runs one step, to seat the first, then none until the end (StepGate): the seat
+    stays taken however fast this machine would have generated its 400 tokens."""
     aengine, metrics, _ = start_engine(server.model_path, num_blocks=256, max_num_seqs=1)
     from sluice.entrypoints.openai.api_server import ServerConfig
     from sluice.entrypoints.openai.serving import ServingLimits
@@ -77,20 +80,25 @@ def test_overload_is_429_with_retry_after(server):
     try:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
-        async def run():
+        async def run(gate):
             async with httpx.AsyncClient(timeout=60) as c:
                 streams = []
-                for _ in range(3):
+                for i in range(3):
                     s = c.stream("POST", f"{srv.url}/v1/completions", json=body)
                     r = await s.__aenter__()
                     assert r.status_code == 200
                     streams.append(s)
-                    await asyncio.sleep(0.05)
+                    if i == 0:  # seat it
+                        gate.open(steps=1)
+                        await asyncio.to_thread(gate.wait_until, lambda e: e.scheduler.num_running == 1,
+                                                "the first request to run")
                 rejected = await c.post(f"{srv.url}/v1/completions", json=body)
+                assert aengine.engine.scheduler.num_running == 1
                 for s in streams:
                     await s.__aexit__(None, None, None)
                 return rejected
-        rejected = asyncio.run(run())
+        with StepGate(aengine) as gate:
+            rejected = asyncio.run(run(gate))
         assert_error(rejected, 429)
         assert rejected.headers["retry-after"] == "1"
         wait_all_blocks_free(aengine.engine)
@@ -100,18 +108,25 @@ def test_overload_is_429_with_retry_after(server):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    """Once the request has streamed a few tokens the engine stops stepping (StepGate), so
+    the request is still running when the client leaves, however fast this machine is."""
     before = metric_value(server.url, "sluice_requests_finished_total", 'finished_reason="abort"')
     body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=30) as c:
-        with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            for _ in range(3):
-                next(lines)
-            assert server.llm.kv.num_free_blocks < server.llm.kv.num_blocks
-        # Leaving the block closes the connection mid-stream.
-    wait_all_blocks_free(server.llm, timeout=5)
-    deadline = time.time() + 5
+    llm = server.llm
+    with StepGate(server.engine, shut=False) as gate:
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                for _ in range(3):
+                    next(lines)
+                gate.shut()
+                assert llm.kv.num_free_blocks < llm.kv.num_blocks
+            # Leaving the block closes the connection mid-stream: the abort frees the blocks
+            # at once (no step needed).
+        gate.wait_until(lambda e: e.kv.num_free_blocks == e.kv.num_blocks, "the abort to free the blocks")
+    wait_all_blocks_free(llm)
+    deadline = time.time() + 30  # a hang guard: the next step reports the abort
     while metric_value(server.url, "sluice_requests_finished_total", 'finished_reason="abort"') <= before:
         assert time.time() < deadline, "disconnect did not abort the request"
         time.sleep(0.05)

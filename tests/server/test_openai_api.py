@@ -6,7 +6,7 @@ import asyncio
 import httpx
 import openai
 
-from tests.server.conftest import MODEL, wait_all_blocks_free
+from tests.server.conftest import MODEL, StepGate, wait_all_blocks_free
 
 GREEDY = {"ignore_eos": True}
 
@@ -92,7 +92,11 @@ def test_prompt_forms_echo_and_logprobs(client, server):
 
 
 def test_32_concurrent_streaming_chats_match_solo_runs(server):
-    """32 clients at once: their steps interleave, and each text equals its solo run."""
+    """32 clients at once: their steps interleave, and each text equals its solo run. No
+    step runs until all 32 are queued (StepGate), so that they meet however slowly this
+    machine sends them: each step then admits what its 256-token budget leaves (5-6 of
+    these ~42-token prompts), and nobody finishes 24 tokens in three steps, even drafting
+    8 tokens a step: at least 16 run at once."""
     from openai import AsyncOpenAI
     questions = [f"Question {i}: tell me about item {i * 7}" for i in range(32)]
 
@@ -107,7 +111,11 @@ def test_32_concurrent_streaming_chats_match_solo_runs(server):
 
         alone = [await ask(q) for q in questions]
         server.stats["max_running"] = 0
-        crowd = await asyncio.gather(*(ask(q) for q in questions))
+        with StepGate(server.engine) as gate:
+            crowd = asyncio.gather(*(ask(q) for q in questions))
+            await asyncio.to_thread(gate.wait_until, lambda e: e.scheduler.num_waiting == 32, "32 queued chats")
+            gate.open()
+            crowd = await crowd
         await client.close()
         return alone, list(crowd)
 
