@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from sluice import LLMEngine, SamplingParams
-from sluice.backends.prepare import build_stack
+from sluice.backends.cpu.backend import StackForward, build_stack
 from sluice.bench.workload import make_prompts
-from sluice.worker import kernels
+from sluice.backends.cpu import x86 as kernels
 
-KERNEL_DIR = "src/sluice/worker/kernels"
+KERNEL_DIR = "src/sluice/backends/cpu/x86"
 
 
 def build_at(revision: str, isa: str):
@@ -59,12 +59,13 @@ def main() -> None:
     args = ap.parse_args()
     engine = LLMEngine.from_kwargs(max_num_seqs=32, **json.loads(args.options))
     model = engine.runner.model
-    if getattr(model, "_stack", None) is None:
+    if getattr(model, "fast_forward", None) is None:
         raise SystemExit("these engine options do not run the decoder stack; nothing to compare")
     base, sha = build_at(args.base, engine.backend.isa)
-    head = getattr(model, "_greedy_head", None)
-    builds = {"tree": (model._stack, head),
-              sha: (build_stack(model, base), None if head is None else dataclasses.replace(head, kernels=base))}
+    head = getattr(model, "greedy_head", None)
+    builds = {"tree": (model.fast_forward, head),
+              sha: (StackForward(build_stack(model, base)),
+                    None if head is None else dataclasses.replace(head, kernels=base))}
     names = list(builds)
     times = {(b, kind): [] for b in names for kind in ("decode", "mixed")}
     execute = engine.runner.execute
@@ -74,7 +75,7 @@ def main() -> None:
         i = count[0]
         count[0] += 1
         name = names[(i + i // 2) % 2]  # ABBA order, so neither build always follows the other
-        model._stack, model._greedy_head = builds[name]
+        model.fast_forward, model.greedy_head = builds[name]
         t = time.perf_counter()
         result = execute(plan)
         kind = "mixed" if any(len(e.token_ids) > 1 for e in plan.scheduled) else "decode"

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from sluice.worker import kernels
-from sluice.worker.attention import INT8_ROW_EXTRA, int8_cache_from_dense
+from sluice.backends.cpu import x86 as kernels
+from sluice.backends.kv_int8 import INT8_ROW_EXTRA, int8_cache_from_dense
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -31,7 +31,7 @@ LOWER_ISAS = KERNEL_ISAS[1:] if KERNEL_ISAS[:1] == ["avx512"] else []
 
 def missing_feature(feature: str) -> str | None:
     """Why `feature` is unavailable here, or None when it is available."""
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     if feature not in FEATURES:
         raise ValueError(f"unknown feature {feature!r} in a requires marker; known: {', '.join(FEATURES)}")
     if not KERNEL_ISAS:
@@ -45,7 +45,7 @@ def missing_feature(feature: str) -> str | None:
     pytest.param(None, marks=pytest.mark.skip(reason=f"{cpu().describe()} runs no build of the kernels"))])
 def kernel_isa(request) -> str:
     """Each kernel build this CPU executes, in turn."""
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     if kernels.load(request.param) is None:
         pytest.skip(f"the {request.param} kernels did not build here (see the log)")
     return request.param
@@ -57,7 +57,7 @@ def best_kernel_isa(request) -> str:
     """The best kernel build this CPU executes, for the tests on the default model: on a
     machine that runs both builds, tests/*/test_isa_builds*.py prove the AVX2 build gives
     the AVX-512 build's bits, so running those again on it would add minutes, not checks."""
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     if kernels.load(request.param) is None:
         pytest.skip(f"the {request.param} kernels did not build here (see the log)")
     return request.param
@@ -66,7 +66,7 @@ def best_kernel_isa(request) -> str:
 @pytest.fixture(scope="session")
 def isa_kernels(kernel_isa):
     """The kernel module of each build this CPU executes, in turn."""
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     return kernels.load(kernel_isa)
 
 

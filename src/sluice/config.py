@@ -7,50 +7,33 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import torch
+from sluice import quantization
 
 DEFAULT_MODEL = "smollm2-135m"
 
-
-def resolve_dtype(dtype: str | torch.dtype, device: str, cpu_isa: str = "auto") -> torch.dtype:
-    """'auto' picks bfloat16 where sluice's kernels or the hardware compute it (backends.
-    select.auto_dtype), else float32."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype == "auto":
-        from sluice.backends.select import auto_dtype, check
-        return auto_dtype(device, check(device, cpu_isa, None, "auto", False))
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
-    return names[dtype]
-
-
-QUANTIZATIONS = (None, "int8", "w8a8", "w4a8")
+# None: full precision; else a scheme's name (quantization/: int8, w8a8, w4a8).
+QUANTIZATIONS = (None, *quantization.NAMES)
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass
 class ModelConfig:
     model: str = DEFAULT_MODEL
+    # "auto": what the device's backend computes fastest (backends/select.py), or a name.
     dtype: str = "auto"
     device: str = "cpu"
     # None: the model's own context length.
     max_model_len: int | None = None
     seed: int = 0
-    # None; "int8": weight-only int8 linear layers (CPU, bfloat16 activations); "w8a8":
-    # the same int8 weights times activations quantized to int8 per block of 32 (CPU
-    # with AVX-512 VNNI), faster where a step is bound by arithmetic (batches, prompts);
-    # "w4a8": 4-bit weights in llama.cpp's Q4_1 form (a Q4_1 GGUF's own values) times the
-    # same int8 activations, the fastest batches on AVX2 CPUs without VNNI.
+    # None, or a quantization scheme by name (quantization/: "int8" weight-only int8;
+    # "w8a8" the same int8 weights times int8 activations per block of 32; "w4a8" 4-bit
+    # weights in llama.cpp's Q4_1 form times the same int8 activations).
     quantization: str | None = None
     # Batch-invariant kernels: a request's tokens and logprobs are bitwise the same
     # whatever shares its batch (docs/determinism.md).
     deterministic: bool = False
+    # CUDA: every step eager, no CUDA graphs for decode steps.
+    enforce_eager: bool = False
     # Which build of sluice's CPU kernels runs: "auto" (the best this CPU executes),
     # "avx512", "avx2_vnni" or "avx2" (force a lower build, e.g. to test it on an AVX-512
     # machine) or "generic" (none: torch's own ops). backends/platform.py.
@@ -60,8 +43,11 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    # GiB of memory for K and V of all layers; ignored when num_blocks is given.
+    # GiB of memory for K and V of all layers; ignored when num_blocks is given. (CUDA sizes
+    # the cache from gpu_memory_utilization instead.)
     kv_cache_memory: float = 1.0
+    # CUDA: the fraction of the GPU's memory the engine may use (weights, activations, KV).
+    gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     # "auto": K and V in the model's dtype. "int8": one int8 value per element and one
@@ -69,16 +55,6 @@ class CacheConfig:
     # tokens in the same memory and less to read per decode step); CPU, bfloat16, with
     # our kernels (AVX-512 VNNI). Block sizes a multiple of 16.
     kv_cache_dtype: str = "auto"
-
-
-# Default token budget of one step. On a CPU a 2,048-token step takes over a second and
-# every prompt in it waits for the whole step: 32 clients sending ~210-token prompts at
-# once got a TTFT p50 of 3.4 s at 2,048, 1.25 s at 512 and 0.91 s at 256, at the same
-# output tok/s; prompt throughput on 2,000-token prompts was no lower at 256 (measured,
-# docs/benchmarks.md). It is not below the default max_num_seqs, so that every running
-# request can decode in one step. GPUs keep the larger budget, which they run in one go.
-CPU_MAX_NUM_BATCHED_TOKENS = 256
-GPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "program", "fair")
@@ -102,7 +78,9 @@ def parse_name_weights(items: list[str], flag: str, what: str = "WEIGHT") -> dic
 
 @dataclass
 class SchedulerConfig:
-    # None: CPU_MAX_NUM_BATCHED_TOKENS on a CPU, GPU_MAX_NUM_BATCHED_TOKENS elsewhere.
+    # None: the device's default (its backend's default_max_num_batched_tokens: 256 on a
+    # CPU, where a 2,048-token step takes over a second and every prompt in it waits for
+    # all of it; 2,048 on a GPU, which runs it in one go).
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     # Who is admitted (and preempted) first: fcfs, priority, program or fair (see
@@ -191,17 +169,20 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        """Every cross-field check, once, before anything loads: the values here, then what
+        the device's backend can run (backends/select.py check_config, which also fills in
+        the device's defaults)."""
+        from sluice.backends.select import check_config
         c, s = self.cache, self.scheduler
-        if s.max_num_batched_tokens is None:
-            on_cpu = self.model.device.startswith("cpu")
-            s.max_num_batched_tokens = CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_MAX_NUM_BATCHED_TOKENS
         if c.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {c.block_size}")
         if c.num_blocks is not None and c.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {c.num_blocks}")
         if c.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {c.kv_cache_memory}")
-        if s.max_num_batched_tokens < 1:
+        if not 0 < c.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+        if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         if s.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
@@ -224,13 +205,9 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g.grammar_cache_size!r}")
         if not g.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0 seconds, got {g.grammar_compile_timeout_s}")
-        self._validate_speculative()
         tp = self.parallel.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        if tp > 1 and not self.model.device.startswith("cpu"):
-            raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo between rank processes); "
-                             f"device={self.model.device!r} ranks over NCCL are not built yet")
         for name, w in s.tenant_weights.items():
             if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
                 raise ValueError(f"tenant_weights must map tenant names to weights > 0; got {name!r}: {w!r}")
@@ -238,18 +215,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
         if c.kv_cache_dtype == "int8" and c.block_size % 16:
             raise ValueError(f"kv_cache_dtype='int8' takes block_size a multiple of 16, got {c.block_size}")
-        if self.model.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None, 'int8', 'w8a8' or 'w4a8', got {self.model.quantization!r}")
-        m = self.model
-        if m.deterministic and (not m.device.startswith("cpu") or m.dtype in ("float16", "fp16", "half")):
-            raise ValueError(f"deterministic mode runs on the CPU in float32 or bfloat16 (its batch-invariant "
-                             f"kernels have no other build yet); got device={m.device!r}, dtype={m.dtype!r}")
+        quantization.get(self.model.quantization)  # ValueError for an unknown scheme
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
-        # Modes this CPU cannot run, and modes that only run in bfloat16 on the CPU: refused
-        # here, before any kernel is built or weight loaded (backends/select.py).
-        from sluice.backends.select import check, model_dtype
-        model_dtype(m, c.kv_cache_dtype, check(m.device, m.cpu_isa, m.quantization, c.kv_cache_dtype, m.deterministic))
+        # What the device cannot run, refused before any kernel is built or weight loaded;
+        # and the device's defaults.
+        check_config(self)
+        self._validate_speculative()
 
     def _validate_speculative(self) -> None:
         sp = self.speculative

@@ -65,9 +65,9 @@ def test_prompt_chunks_through_the_flat_kernel_give_the_same_tokens(tiny_checkpo
     prompts, expected = reference
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=256,
               max_num_batched_tokens=16)
-    runner = llm.engine.runner
-    assert not runner.flat_prefill  # float32 keeps SDPA
-    runner.flat_prefill = True
+    runner, backend = llm.engine.runner, llm.engine.backend
+    assert not backend.flat_prefill  # float32 keeps SDPA
+    backend.flat_prefill = True
     seen = {"flat": 0, "sdpa": 0}
     forward = runner.model.forward
 
@@ -388,7 +388,7 @@ def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, bes
     """4-bit weights times int8 activations: the middle layers run the w4a8 kernel on the
     Q4_1 GGUF's own 4-bit values (found again from its bf16 weights), the end layers and
     the head as w8a8's do; the answer holds and nothing leaks."""
-    from sluice.backends.linear_methods import dequantize_4bit
+    from sluice.quantization.w4a8 import dequantize_4bit
     llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", quantization="w4a8", kv_cache_memory=0.1)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
@@ -479,14 +479,14 @@ def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint, kernel_isa):
 
 def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint, kernel_isa):
     """bf16 with our kernels: greedy steps without logprobs take the LM head's argmax from
-    int8 logits rescored exactly (models' greedy_tokens); the tokens are those of the full
-    head, and steps that need the logits themselves (logprobs, sampling) still get them."""
+    int8 logits rescored exactly (the backend's greedy_tokens); the tokens are those of the
+    full head, and steps that need the logits themselves (logprobs, sampling) still get them."""
     llm = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
     model = llm.engine.runner.model
-    assert model._greedy_head is not None
+    assert model.greedy_head is not None
     calls = []
-    fast = model.greedy_tokens
-    model.greedy_tokens = lambda h, grammar=None: calls.append(h.shape[0]) or fast(h, grammar)
+    fast = model.greedy_head
+    model.greedy_head = lambda h, grammar=None: calls.append(h.shape[0]) or fast(h, grammar)
     prompts = prompts_of_lengths(llm.tokenizer, [5, 17, 40, 63, 100, 9, 30, 12, 3, 50, 70], seed=4)
     params = SamplingParams(max_tokens=24, **GREEDY)
     with_fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -495,12 +495,12 @@ def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint, kernel_isa
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, logprobs=2, **GREEDY))
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
     assert not calls
-    model._greedy_head = None
+    model.greedy_head = None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_fast
     assert_all_blocks_free(llm)
     det = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=64,
               deterministic=True)
-    assert det.engine.runner.model._greedy_head is None
+    assert getattr(det.engine.runner.model, "greedy_head", None) is None
 
 
 def test_greedy_fast_path_under_a_grammar(tiny_checkpoint, kernel_isa):
@@ -524,7 +524,7 @@ def test_greedy_fast_path_under_a_grammar(tiny_checkpoint, kernel_isa):
     fast = [o.outputs[0] for o in llm.generate(prompts + prompts[:2], params)]
     assert not head_rows  # the fast path took every step
     model.compute_logits = logits
-    model._greedy_head = None
+    model.greedy_head = None
     full = [o.outputs[0] for o in llm.generate(prompts + prompts[:2], params)]
     assert [o.token_ids for o in fast] == [o.token_ids for o in full]
     assert all(o.finish_reason == "stop" for o, p in zip(fast, params) if p.structured_outputs)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sluice import LLM, SamplingParams
-from sluice.backends.linear_methods import int8_weight, quantize_per_channel, quantize_rows
+from sluice.quantization.int8 import int8_weight, quantize_per_channel, quantize_rows
 from sluice.engine.llm_engine import EngineAsleepError, EngineBusyError
 from sluice.models.linear import Linear
 from tests.conftest import assert_all_blocks_free

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.worker.attention import AttentionMetadata, paged_attention
+from sluice.backends.base import AttentionMetadata
+from sluice.backends.cpu.ops import paged_attention
 
 
 def make_case(dtype, num_kv_heads=3, group=3, head_dim=64, block_size=16, seqs=7, seed=0):

@@ -109,7 +109,7 @@ def w4a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, mn: torch.
 def test_w4a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
     """4-bit weights (a scale and a minimum per block of 32) x int8 activations, 15 and
     127 (the int16 sums' edge) included."""
-    from sluice.backends.linear_methods import quantize_4bit
+    from sluice.quantization.w4a8 import quantize_4bit
     g = torch.Generator().manual_seed(n + kdim)
     w = torch.randn(n, kdim, generator=g) * 0.05 + 0.01
     q, d, mn = quantize_4bit(w)
@@ -136,7 +136,7 @@ def test_w4a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
 def test_quantize_4bit_finds_q4_1_values_again():
     """Values made as llama.cpp's Q4_1 stores them (f16 scale and minimum, q in 0..15, every
     block reaching 0 and 15), rounded to bf16: the same q, and scales within bf16 rounding."""
-    from sluice.backends.linear_methods import quantize_4bit
+    from sluice.quantization.w4a8 import quantize_4bit
     g = torch.Generator().manual_seed(0)
     n, kdim = 64, 96
     q = torch.randint(0, 16, (n, kdim), generator=g, dtype=torch.uint8)

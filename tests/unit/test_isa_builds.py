@@ -1,7 +1,7 @@
 """The kernel builds per ISA: the AVX2 builds (avx2_vnni, avx2) compute what the AVX-512
 one does, bit for bit.
 
-Every build compiles the same sources (worker/kernels; avx2/avx512_on_avx2.h maps the
+Every build compiles the same sources (backends/cpu/x86; avx2/avx512_on_avx2.h maps the
 AVX-512 intrinsics onto AVX2), so every op must give the same bits on the same inputs.
 Runs for each lower build the CPU executes beside the AVX-512 one (avx2 on a Zen 4, both
 on a Sapphire Rapids); an AVX2-only machine runs its builds through every other kernel
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.backends.linear_methods import quantize_4bit, quantize_per_channel
-from sluice.worker import kernels
+from sluice.quantization.int8 import quantize_per_channel
+from sluice.quantization.w4a8 import quantize_4bit
+from sluice.backends.cpu import x86 as kernels
 from tests.conftest import LOWER_ISAS as LOWER
 
 pytestmark = pytest.mark.skipif(not LOWER, reason="needs a CPU that runs the AVX-512 build and an AVX2 one")
@@ -80,7 +81,7 @@ def test_norms_activation_and_rope(builds, dtype):
 @pytest.mark.parametrize("cache", ["bfloat16", "float32", "int8"])
 @pytest.mark.parametrize("group,d", [(3, 64), (2, 128), (1, 32)])
 def test_paged_attention(builds, cache, group, d):
-    from sluice.worker.attention import int8_cache_from_dense
+    from sluice.backends.kv_int8 import int8_cache_from_dense
     g = torch.Generator().manual_seed(group * d)
     hkv, nb, bs = 2, 24, 16
     dtype = torch.float32 if cache == "float32" else torch.bfloat16

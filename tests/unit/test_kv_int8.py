@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.worker.attention import (dense_from_int8_cache, int8_cache_from_dense, quantize_rows_int8,
-                                     write_kv)
+from sluice.backends.kv_int8 import dense_from_int8_cache, int8_cache_from_dense, quantize_rows_int8
+from sluice.backends.torch_ref import write_kv
 
 
 @pytest.fixture

@@ -59,7 +59,7 @@ def test_a_build_the_cpu_cannot_run_is_refused_in_one_line():
 
 
 def test_variant_flags_name_the_target_not_the_build_machine():
-    from sluice.worker.kernels import VARIANTS
+    from sluice.backends.cpu.x86 import VARIANTS
     assert VARIANTS["avx512"][0] == "-march=x86-64-v4" and VARIANTS["avx2"][0] == "-march=x86-64-v3"
     assert VARIANTS["avx2_vnni"][:2] == ("-march=x86-64-v3", "-mavxvnni")
     assert not any("native" in f for flags in VARIANTS.values() for f in flags)
@@ -74,7 +74,7 @@ def test_variant_flags_name_the_target_not_the_build_machine():
 def test_kernel_modes_without_kernels_are_refused_in_one_line_before_loading(as_cpu, monkeypatch, mode, kwargs,
                                                                              instead):
     from sluice.engine import llm_engine
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
 
     def must_not_run(*_):
         raise AssertionError("the refusal came after loading began")
@@ -92,9 +92,9 @@ def test_kernel_modes_without_kernels_are_refused_in_one_line_before_loading(as_
 
 
 def test_a_failed_build_is_refused_for_kernel_modes_and_falls_back_otherwise(as_cpu, monkeypatch, caplog):
+    from sluice.backends.cpu import x86 as kernels
     from sluice.backends.select import select
     from sluice.config import EngineConfig
-    from sluice.worker import kernels
     monkeypatch.setattr(kernels, "load", lambda isa=None: None)
     as_cpu(ZEN3)
     cfg = EngineConfig.from_kwargs(deterministic=True)
@@ -108,16 +108,15 @@ def test_a_failed_build_is_refused_for_kernel_modes_and_falls_back_otherwise(as_
 
 
 def test_every_mode_is_accepted_on_avx2(as_cpu):
-    from sluice.backends.select import check
+    from sluice.backends.cpu.backend import check
     as_cpu(ZEN3)
-    assert check("cpu", "auto", "w8a8", "int8", True) == "avx2"
-    assert check("cuda", "auto", "w8a8", "int8", True) == "generic"  # not a CPU question
+    assert check("auto", "w8a8", "int8", True) == "avx2"
     as_cpu(OLD)
-    assert check("cpu", "auto", "int8", "auto", False) == "generic"  # int8 weights run on torch's kernels
+    assert check("auto", "int8", "auto", False) == "generic"  # int8 weights run on torch's kernels
 
 
 def test_dtype_auto_follows_the_kernels(as_cpu):
-    from sluice.config import resolve_dtype
+    from sluice.backends.select import resolve_dtype
     as_cpu(ZEN3)
     assert resolve_dtype("auto", "cpu") == torch.bfloat16          # the AVX2 kernels run bf16
     assert resolve_dtype("auto", "cpu", "generic") == torch.float32  # oneDNN has no bf16 there
@@ -131,7 +130,7 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
     """Two checkouts of the same sources share one build; a changed byte in any source or
     header is another build; the variants never share one."""
     import shutil
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     src = kernels._DIR
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
@@ -161,7 +160,7 @@ def test_the_venvs_ninja_builds_whether_or_not_the_venv_is_activated(tmp_path, m
     """Another ninja on PATH (a system one) would find the venv's ninja's objects stale
     (their command hashes differ) and rebuild every kernel file: the ninja beside the
     interpreter goes first, once."""
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     bindir = tmp_path / "venv" / "bin"
     bindir.mkdir(parents=True)
     (bindir / "ninja").write_text("")
@@ -200,7 +199,7 @@ def test_avx2_builds_hold_no_avx512_instruction(kernel_isa):
     nor our inline asm may emit an EVEX instruction (GAS encodes vpdpbusd on ymm as EVEX
     unless told {vex}, which would fault on an Alder Lake)."""
     import shutil
-    from sluice.worker import kernels
+    from sluice.backends.cpu import x86 as kernels
     if kernel_isa == "avx512":
         pytest.skip("the AVX-512 build is meant to hold AVX-512 instructions")
     if shutil.which("objdump") is None:
@@ -230,9 +229,9 @@ def test_the_plan_is_logged_in_one_line(tiny_checkpoint, caplog, kernel_isa):
 def test_stale_build_lock_is_broken_with_a_log_line(tmp_path, caplog):
     """A build killed midway leaves torch's lock file; the next load removes it (holding
     our flock, no live build can own it) instead of waiting forever."""
-    from sluice.worker.kernels import _build_lock
+    from sluice.backends.cpu.x86 import _build_lock
     (tmp_path / "lock").write_text("")
-    with caplog.at_level(logging.WARNING, logger="sluice.worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="sluice.backends.cpu.x86"):
         with _build_lock(tmp_path):
             assert not (tmp_path / "lock").exists()
     assert "stale kernel build lock" in caplog.text
@@ -244,9 +243,9 @@ def test_a_live_build_is_waited_for_and_said(tmp_path, caplog):
         f"f = open({str(tmp_path / 'sluice.flock')!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
         "print('held', flush=True); time.sleep(1.0)")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    from sluice.worker.kernels import _build_lock
+    from sluice.backends.cpu.x86 import _build_lock
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="sluice.worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="sluice.backends.cpu.x86"):
         with _build_lock(tmp_path):
             waited = time.monotonic() - t0
     holder.wait(5)

@@ -154,7 +154,7 @@ def test_greedy_head_rescores_int8_candidates_to_the_bf16_heads_argmax(isa_kerne
     activations, head_w8a7) pick 16 candidates per row, which are rescored with the bf16
     head's own arithmetic; the answer is the bf16 head's argmax, even where the rounding
     ranked a different token first."""
-    from sluice.backends.linear_methods import quantize_per_channel
+    from sluice.quantization.int8 import quantize_per_channel
     k = isa_kernels
     g = torch.Generator().manual_seed(0)
     vocab, hidden = 3000, 97  # odd K: the last pair is half padding

@@ -652,9 +652,12 @@ def test_min_tokens_ban_only_on_logits_rows():
 
 
 def test_token_budget_default_depends_on_the_device():
-    from sluice.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
-    assert EngineConfig.from_kwargs().scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 256
-    assert EngineConfig.from_kwargs(device="cuda").scheduler.max_num_batched_tokens == GPU_MAX_NUM_BATCHED_TOKENS
+    from sluice.backends.cpu.backend import CpuBackend
+    from sluice.backends.cuda.backend import CudaBackend
+    from sluice.config import EngineConfig
+    assert EngineConfig.from_kwargs().scheduler.max_num_batched_tokens == CpuBackend.default_max_num_batched_tokens == 256
+    assert EngineConfig.from_kwargs(device="cuda").scheduler.max_num_batched_tokens == \
+        CudaBackend.default_max_num_batched_tokens == 2048
     assert EngineConfig.from_kwargs(max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig.from_kwargs(max_num_batched_tokens=0)

@@ -1,5 +1,5 @@
 """A non-editable install ships every module, kernel source and header: the wheel built
-from this tree holds each Python file and each file of worker/kernels that a kernel build
+from this tree holds each Python file and each file of backends/cpu/x86 that a kernel build
 reads (a wheel without them would silently run torch's fallback)."""
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ def test_wheel_ships_every_module_kernel_source_and_header(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("sluice-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    kernels = ROOT / "src" / "sluice" / "worker" / "kernels"
-    from sluice.worker.kernels import _files
-    needed = {f"sluice/worker/kernels/{rel.as_posix()}" for rel in _files(kernels)}
-    on_disk = {f"sluice/worker/kernels/{p.relative_to(kernels).as_posix()}" for p in kernels.rglob("*")
+    kernels = ROOT / "src" / "sluice" / "backends" / "cpu" / "x86"
+    from sluice.backends.cpu.x86 import _files
+    needed = {f"sluice/backends/cpu/x86/{rel.as_posix()}" for rel in _files(kernels)}
+    on_disk = {f"sluice/backends/cpu/x86/{p.relative_to(kernels).as_posix()}" for p in kernels.rglob("*")
                if p.suffix in (".cpp", ".h")}
     assert needed == on_disk  # the build reads every source and header there is
     assert needed <= names, f"missing from the wheel: {sorted(needed - names)}"
-    assert "sluice/worker/kernels/avx2/avx512_on_avx2.h" in names
+    assert "sluice/backends/cpu/x86/avx2/avx512_on_avx2.h" in names
     # And every Python module (a package folder without __init__.py is left out by setuptools).
     package = ROOT / "src" / "sluice"
     modules = {f"sluice/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")

@@ -19,7 +19,7 @@ import torch
 _FEATURES = ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512vl",
              "avx512dq", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_bf16")
 
-# What each kernel variant's build needs of the CPU (worker/kernels VARIANTS: x86-64-v4
+# What each kernel variant's build needs of the CPU (backends/cpu/x86 VARIANTS: x86-64-v4
 # plus BF16 and VNNI; x86-64-v3, whose LZCNT /proc/cpuinfo calls "abm", with AVX-VNNI or
 # without).
 _X86_64_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")

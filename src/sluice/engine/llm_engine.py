@@ -16,8 +16,6 @@ from typing import Iterable
 
 import torch
 
-from sluice.backends.prepare import prepare as prepare_model
-from sluice.backends.prepare import update as update_prepared
 from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
@@ -33,7 +31,7 @@ from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
-from sluice.worker.model_runner import ModelRunner, RunnerTimings, num_kv_blocks
+from sluice.worker.model_runner import ModelRunner, RunnerTimings
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +87,9 @@ class Shard:
 
     def apply_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Write checked checkpoint tensors (check_weights) into the model and rebuild what
-        they touch, as a fresh load of them would be (backends/prepare.update)."""
+        they touch, as a fresh load of them would be (the backend's update)."""
         written = self.model.load_weights(named, strict=False)
-        update_prepared(self.model, self.backend, self.config.model.quantization, written, with_head=self.rank == 0)
+        self.backend.update(self.model, self.config.model.quantization, written, with_head=self.rank == 0)
 
 
 def build_shard(config: EngineConfig, group=None) -> Shard:
@@ -105,22 +103,17 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     backend = select_backend(mc, config.cache, size, log=rank == 0)
     src = resolve_model(mc.model)
     hf_config = load_hf_config(src)
-    device = torch.device(mc.device)
-    with torch.device(device):
+    with torch.device(backend.device):
         model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
     arch = model.arch
-    if config.cache.kv_cache_dtype == "int8" and arch.head_dim % 4:
-        raise ValueError(f"kv_cache_dtype='int8' takes head_dim a multiple of 4, this model has {arch.head_dim}")
+    backend.check_model(arch)
     # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
     weights = iter_weights(src, backend.dtype) if rank == 0 else None
     model.load_weights(share_weights(group, weights) if group is not None else weights)
     model.eval()
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    prepare_model(model, backend, mc.quantization, max_model_len, with_head=rank == 0)
-    model_kernels = backend.model_kernels
-    runner = ModelRunner(model, config.cache, backend.dtype, device, mc.seed, kernels=backend.kernels,
-                         batch_invariant_kernels=model_kernels if mc.deterministic else None,
-                         flat_prefill=model_kernels is not None)
+    backend.prepare(model, mc.quantization, max_model_len, with_head=rank == 0)
+    runner = ModelRunner(model, backend, config.cache, mc.seed)
     return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
 
 
@@ -161,11 +154,11 @@ class LLMEngine:
         # blocks (sized here for rank 0's KV heads, the most any rank holds).
         self.tp: TensorParallel | None = None
         if size > 1:
-            dtype = select_backend(mc, config.cache, size, log=False).dtype  # refuses what cannot run here
+            backend = select_backend(mc, config.cache, size, log=False)  # refuses what cannot run here
             arch = model_arch(load_hf_config(resolve_model(mc.model)))
             check_tp_size(size, arch.num_kv_heads)
             heads = split(arch.num_kv_heads, size, 0)[1]
-            cache = dataclasses.replace(config.cache, num_blocks=num_kv_blocks(config.cache, arch, dtype, heads))
+            cache = dataclasses.replace(config.cache, num_blocks=backend.num_kv_blocks(config.cache, arch, heads))
             config = dataclasses.replace(config, cache=cache)
             self.config = config
             self.tp = TensorParallel(size)

@@ -10,17 +10,23 @@ import uuid
 
 from sluice.backends.platform import CPU_ISAS
 from sluice.config import DEFAULT_MODEL, parse_name_weights
+from sluice.quantization import NAMES as QUANTIZATION_NAMES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model alias, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype; auto = bfloat16 where sluice's kernels run "
-                        "(AVX2 or AVX-512 CPUs), else float32")
-    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    g.add_argument("--quantization", default=None, choices=["int8", "w8a8", "w4a8"],
+                        "(AVX2 or AVX-512 CPUs) and on GPUs, else float32")
+    g.add_argument("--device", default="cpu", help="torch device: cpu, or cuda (cuda:N) for the CUDA backend")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the fraction of the GPU's memory the engine may use; the KV cache takes what the "
+                        "weights and a step's activations leave of it (default 0.9; --num-blocks overrides)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly, no CUDA graphs for decode steps")
+    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_NAMES),
                    help="int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
                         "w8a8: the same weights times int8-quantized activations (sluice's kernels), faster "
                         "batches and prompts; w4a8: 4-bit weights (Q4_1's form, a Q4_1 GGUF's own values) times "
@@ -94,6 +100,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 quantization=args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,

@@ -1,7 +1,7 @@
 """Linear: an nn.Linear whose multiplication the backend may replace.
 
-After loading, backends/prepare.py may set `method`, a callable `method(x, bias)` from
-backends/linear_methods.py (our kernels, int8 weights, a oneDNN prepacked weight); the
+After loading, the backend's prepare() may set `method`, a callable `method(x, bias)` (on
+the CPU backends/cpu/linear.py: our kernels, int8 weights, a oneDNN prepacked weight); the
 layer itself knows nothing of the hardware.
 
 A row-parallel layer (tensor parallelism, distributed/parallel.py) holds a slice of the

@@ -5,9 +5,10 @@ tied or separate LM head, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (
 Q/K/V and gate/up are fused into one matmul each; weights load from Hugging Face names.
 
 Architecture and weight loading only: which implementation runs each op is the backend's
-choice (backends/select.py), set after loading by backends/prepare.py through `ops` (norms,
-SwiGLU, RoPE + cache write), each Linear's `method`, `head` (the LM head) and the fast
-paths below (`_stack`, `_greedy_head`).
+choice (backends/), set after loading by its prepare(): `ops` (norms, SwiGLU, RoPE + cache
+write, attention), each Linear's `method`, `head` (the LM head) and `fast_forward` (the
+whole step another way, where the backend has one). The attention record each step is
+built by the backend too, and handed in as an argument.
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.backends.ops import TORCH_OPS
+from sluice.backends.torch_ref import TORCH_OPS
 from sluice.distributed.parallel import SINGLE, TPShard, split
 from sluice.models.linear import Linear
-from sluice.worker.attention import AttentionMetadata, flat_attention_kernel, paged_attention
 
 
 @dataclass
@@ -124,10 +124,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x, cos, sin, meta, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         q = self.ops.rope_write_kv(self.qkv_proj(x), cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
                                    self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
@@ -185,34 +185,33 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch, tp)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
-        # Set by the backend (backends/prepare.py): the LM head as a callable hidden ->
-        # float logits (None: F.linear on the head's weight); the argmax of the head per
-        # row, for greedy steps (None: no fast path); one cos/sin table for every position;
-        # the layers as one C++ call (kernels.DecoderStack).
+        # Set by the backend's prepare(): the LM head as a callable hidden -> float logits
+        # (None: F.linear on the head's weight); one cos/sin table for every position (None:
+        # computed per step); the whole forward pass another way, returning None for a step
+        # it does not take (None: the layers below, one by one).
         self.head = None
-        self._greedy_head = None
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._stack = None
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fast_forward = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        if self._rope_table is not None:
-            cos, sin = self._rope_table
+        if self.rope_table is not None:
+            cos, sin = self.rope_table
             return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
         freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         # [T, 1, D]: broadcast over heads; computed in fp32, applied in the model dtype.
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. meta: the step's
+        attention record (backends/base.py AttentionMetadata)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        if self._stack is not None and flat_attention_kernel(meta) is not None:
-            # Attention is one flat kernel call here, so the whole stack runs in C++: the
-            # same kernels in the same order as the loop below, without ~300 Python calls.
-            return self._stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens)
+        if self.fast_forward is not None:
+            h = self.fast_forward(x, cos, sin, meta, kv_caches)
+            if h is not None:
+                return h
         # Each residual add fused with the norm that follows it (one op on our kernels; on
         # torch's, the add and then the norm, as a layer's plain forward would).
         layers, norm = self.model.layers, self.model.norm
@@ -233,14 +232,6 @@ class LlamaForCausalLM(nn.Module):
         if self.head is not None:
             return self.head(hidden)
         return F.linear(hidden, self.head_weight())
-
-    def greedy_tokens(self, hidden: torch.Tensor, grammar=None) -> torch.Tensor | None:
-        """The argmax of compute_logits(hidden) per row (rows of `grammar`, (rows,
-        bitmasks): over their allowed tokens), or None where the backend set no fast path
-        for it (backends/prepare.py: GreedyHead)."""
-        if self._greedy_head is None or hidden.dtype != torch.bfloat16:
-            return None
-        return self._greedy_head(hidden, grammar)
 
     @property
     def num_kv_heads(self) -> int:

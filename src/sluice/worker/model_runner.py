@@ -1,5 +1,7 @@
 """ModelRunner: owns the model and the paged KV tensors; turns a StepPlan into one flat
-forward pass, computes logits only where a token is due, and samples."""
+forward pass, computes logits only where a token is due, and samples. Which implementation
+runs any of it is the backend's (backends/): the runner asks it for the KV tensors, each
+step's attention record, the greedy fast path and the sampler's device ops."""
 from __future__ import annotations
 
 import logging
@@ -8,33 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.backends.base import FlatBatch
 from sluice.config import CacheConfig
-from sluice.core.kv_cache_manager import cdiv
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.distributed.tensor_parallel import step_inputs
 from sluice.structured.grammar import MaskFiller
-from sluice.worker.attention import INT8_ROW_EXTRA, AttentionMetadata, PrefillChunk, flat_attention_kernel
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 from sluice.worker.shapes import bucket
 
 logger = logging.getLogger(__name__)
-
-
-def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                       num_kv_heads: int | None = None) -> int:
-    """Bytes of one KV block over all layers, for `num_kv_heads` (a tensor-parallel rank's;
-    default all of the model's)."""
-    if kv_cache_dtype == "int8":  # int8 values and a float32 scale per token and kv head
-        row = arch.head_dim + INT8_ROW_EXTRA
-    else:
-        row = arch.head_dim * torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * (num_kv_heads or arch.num_kv_heads) * row
-
-
-def num_kv_blocks(cache: CacheConfig, arch, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    """The cache's block count: as given, else as many as kv_cache_memory holds."""
-    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype, num_kv_heads)
-    return cache.num_blocks or max(1, int(cache.kv_cache_memory * 2**30) // per_block)
 
 
 @dataclass
@@ -55,42 +39,31 @@ PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 kernels=None, batch_invariant_kernels=None, flat_prefill: bool = False,
-                 grammar_mask_width: int | None = None):
+    def __init__(self, model, backend, cache: CacheConfig, seed: int, grammar_mask_width: int | None = None):
         self.model = model
-        # Deterministic mode: attention for every token through one batch-invariant kernel.
-        self.batch_invariant_kernels = batch_invariant_kernels
-        # Prompt chunks join the decodes in one flat kernel call (and the layers run as one
-        # C++ call) rather than SDPA per chunk: with our bf16 kernels it is faster at every
-        # prompt length measured, 128 to 8,000 tokens (docs/benchmarks.md). Float32 keeps
-        # SDPA, the reference numerics of the exact-match tests.
-        self.flat_prefill = flat_prefill
+        self.backend = backend
         self.arch = model.arch
-        self.dtype = dtype
-        self.device = device
+        self.dtype = backend.dtype
+        self.device = backend.device
         self.block_size = cache.block_size
         # KV heads this process holds: all of the model's, or a tensor-parallel rank's.
         self.num_kv_heads = getattr(model, "num_kv_heads", self.arch.num_kv_heads)
         self.kv_cache_dtype = cache.kv_cache_dtype
-        self.num_blocks = num_kv_blocks(cache, self.arch, dtype, self.num_kv_heads)
+        self.num_blocks = backend.num_kv_blocks(cache, self.arch, self.num_kv_heads)
         # One extra block past the pool: padding rows of a bucketed batch write their K/V there.
         self.scratch_slot = self.num_blocks * cache.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.allocate_kv()
-        per_block = kv_bytes_per_block(self.arch, cache.block_size, dtype, cache.kv_cache_dtype, self.num_kv_heads)
+        per_block = backend.kv_bytes_per_block(self.arch, cache.block_size, self.num_kv_heads)
         logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", self.num_blocks, cache.block_size,
-                    "int8" if cache.kv_cache_dtype == "int8" else str(dtype).removeprefix("torch."),
+                    "int8" if cache.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch."),
                     self.num_blocks * per_block / 2**30)
         # Tensor parallelism: rank 0's handle on the other ranks (distributed/tensor_parallel.py),
         # which each step's inputs are sent to; None in one process and on the other ranks.
         self.tp = None
-        # Decode attention kernel (and argmax): the backend plan's C++ kernels, else torch's path.
-        self.decode_kernel = kernels if device.type == "cpu" else None
-        generator = torch.Generator(device=device)
+        generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
-        self.sampler = Sampler(generator, getattr(self.decode_kernel, "argmax_rows", None),
-                               getattr(self.decode_kernel, "apply_token_bitmask", None))
+        self.sampler = Sampler(generator, *backend.sampler_ops())
         self.vocab_size = self.arch.vocab_size
         self.timings = RunnerTimings()
         # structured_outputs rows: their token masks, filled while the forward pass runs.
@@ -103,15 +76,9 @@ class ModelRunner:
     # -- the KV cache ---------------------------------------------------------
     def allocate_kv(self) -> None:
         """K and V tensors for every layer (zeros); a no-op if they exist."""
-        if self.kv_caches is not None:
-            return
-        shape = (self.num_kv_heads, self.num_blocks + 1, self.block_size, self.arch.head_dim)
-        cache_dtype = self.dtype
-        if self.kv_cache_dtype == "int8":  # layout: worker/attention.py
-            shape, cache_dtype = shape[:3] + (self.arch.head_dim + INT8_ROW_EXTRA,), torch.uint8
-        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
-                           torch.zeros(shape, dtype=cache_dtype, device=self.device))
-                          for _ in range(self.arch.num_layers)]
+        if self.kv_caches is None:
+            self.kv_caches = self.backend.allocate_kv_cache(self.arch.num_layers, self.num_kv_heads, self.num_blocks,
+                                                            self.block_size, self.arch.head_dim)
 
     def free_kv(self) -> int:
         """Drop the KV tensors (their memory goes back to the system); returns their bytes."""
@@ -129,40 +96,23 @@ class ModelRunner:
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
+        start_pos: list[int] = []
+        block_ids: list[list[int]] = []
         logits_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_reqs: list[int] = []
-        prefills: list[PrefillChunk] = []
-        max_blocks = max(len(e.block_ids) for e in plan.scheduled)
-        # One tensor built from padded lists: a per-request copy would be B small ops per step.
-        block_tables = torch.tensor([e.block_ids + [0] * (max_blocks - len(e.block_ids)) for e in plan.scheduled],
-                                    dtype=torch.long)
-        flat = self.batch_invariant_kernels is not None or (self.decode_kernel is not None and self.flat_prefill)
-        for i, e in enumerate(plan.scheduled):
+        for e in plan.scheduled:
             q = len(e.token_ids)
-            start, end = query_start[-1], query_start[-1] + q
+            end = query_start[-1] + q
             input_ids.extend(e.token_ids)
             pos = range(e.start_pos, e.start_pos + q)
             positions.extend(pos)
             blocks = e.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
             query_start.append(end)
-            seq_len = e.start_pos + q
-            seq_lens.append(seq_len)
+            seq_lens.append(e.start_pos + q)
+            start_pos.append(e.start_pos)
+            block_ids.append(blocks)
             if e.needs_logits:  # the last row; with drafts, also the rows that verify them
                 logits_rows.extend(range(end - 1 - len(e.draft_token_ids), end))
-            if q == 1:
-                decode_rows.append(start)
-                decode_reqs.append(i)
-            elif not flat:  # the chunk goes through SDPA, with its own record
-                mask = None
-                if e.start_pos > 0:
-                    # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
-                    qpos = torch.arange(e.start_pos, seq_len)[:, None]
-                    mask = (torch.arange(seq_len)[None, :] <= qpos).to(dev)
-                n_blocks = cdiv(seq_len, bs)
-                prefills.append(PrefillChunk(start, end, e.start_pos, seq_len,
-                                             torch.tensor(blocks[:n_blocks], device=dev), mask))
         num_tokens = len(input_ids)
         pad = bucket(num_tokens) - num_tokens
         if pad:
@@ -170,28 +120,8 @@ class ModelRunner:
             positions.extend([0] * pad)
             slots.extend([self.scratch_slot] * pad)
         logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
-            seq_lens=seq_lens_t.to(dev),
-            block_tables=block_tables.to(dev),
-            decode_token_idx=None, decode_block_tables=None, decode_mask=None, decode_seq_lens=None,
-            prefills=prefills,
-            decode_kernel=self.decode_kernel,
-            batch_invariant_kernels=self.batch_invariant_kernels,
-        )
-        # Decode rows get their own index tensors only where attention splits them from
-        # the prefills; a step computed by one flat kernel call needs none.
-        if decode_rows and flat_attention_kernel(meta) is None:
-            sel = torch.tensor(decode_reqs, dtype=torch.long)
-            d_lens = seq_lens_t[sel]
-            n_blocks = cdiv(int(d_lens.max()), bs)
-            meta.decode_block_tables = block_tables[sel, :n_blocks].to(dev)
-            if self.decode_kernel is None:
-                meta.decode_mask = (torch.arange(n_blocks * bs)[None, :] < d_lens[:, None])[None, :, None, :].to(dev)
-            meta.decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            meta.decode_seq_lens = d_lens.to(dev)
+        meta = self.backend.attention_metadata(FlatBatch(query_start, seq_lens, start_pos, block_ids, slots,
+                                                         len(input_ids), bs))
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
@@ -296,10 +226,9 @@ class ModelRunner:
             meta = self._sampling_metadata(row_entries, grammar, offsets)
             greedy = None
             if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
-                    and meta.repetition_penalty is None and meta.logit_bias is None and meta.allowed is None
-                    and hasattr(self.model, "greedy_tokens")):
-                # Only the argmax is wanted: the model's fast path for it, where it has one.
-                greedy = self.model.greedy_tokens(rows, meta.grammar)
+                    and meta.repetition_penalty is None and meta.logit_bias is None and meta.allowed is None):
+                # Only the argmax is wanted: the backend's fast path for it, where it has one.
+                greedy = self.backend.greedy_tokens(self.model, rows, meta.grammar)
             if greedy is not None:
                 out = SamplerOutput(greedy[:n_rows], None, None, None)
             else:

@@ -1,4 +1,4 @@
-// The Python module of the CPU kernels (worker/kernels/__init__.py loads it): every entry
+// The Python module of the CPU kernels (backends/cpu/x86/__init__.py loads it): every entry
 // point, with its arguments' names and defaults. The one file that includes torch's
 // pybind11 headers (aten.h says why): the tensor type casters and the STL ones (optional
 // arguments), not all of <torch/extension.h>, whose C++ frontend (torch/all.h) doubled

@@ -1,7 +1,7 @@
 // Helpers shared by the CPU kernels: float32 lanes from float32 or bfloat16 memory, a
 // 16-lane exp, and the weight-panel prefetch of the linear kernels.
 //
-// The kernels are written in AVX-512 intrinsics and built once per ISA (worker/kernels/
+// The kernels are written in AVX-512 intrinsics and built once per ISA (backends/cpu/x86/
 // __init__.py): natively for AVX-512 with BF16 and VNNI, and for AVX2 + FMA + F16C with
 // SLUICE_AVX2 defined, where avx2/avx512_on_avx2.h provides those intrinsics on 256-bit
 // halves. This header is the one place that tells the two builds apart.

@@ -1,0 +1,108 @@
+"""How the CPU backend multiplies a Linear layer, by the form its weight takes.
+
+A method is a callable `method(x, bias)` that `models.linear.Linear` runs in place of
+F.linear once the backend (backends/cpu/backend.py) has set it:
+- `KernelWeight`: our C++ kernels (backends/cpu/x86, AVX-512 or AVX2 build): each output
+  reduced over K in one fixed order whatever the number of rows, which makes them
+  batch-invariant (deterministic mode) and, at decode batch sizes, faster than oneDNN
+  (measured 1.1-2.4x at 1-32 rows, equal at 2,048). Quantized weights (quantization/)
+  pack into it too: int8 weights by bf16 activations (up to KERNEL_INT8_MAX_ROWS rows, the
+  bf16 weights above; every row count in deterministic mode), int8 weights by int8
+  activations per block of 32 (w8a8.cpp), 4-bit weights in Q4_1's form by the same int8
+  activations (w4a8.cpp);
+- `PackedWeight`: a oneDNN prepacked bf16 weight, where our kernels do not run the model
+  (the op inductor's freezing uses);
+- `Int8Weight`: int8 weight-only quantization on torch's kernels: rows of a step at most
+  INT8_MAX_ROWS use torch's int8 matmul, more rows the dequantized weight.
+Numerics are unchanged where none is set: float32 keeps plain F.linear.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+# Measured crossovers on a 2-core AVX-512 CPU: torch's int8 matmul wins at 1-2 rows;
+# our int8 kernel at up to ~8 (30 layers: 4.6 vs 7.5 ms at 1 row, 5.1 vs 7.4 at 4, slower at 16).
+INT8_MAX_ROWS = 2
+KERNEL_INT8_MAX_ROWS = 8
+
+
+@dataclass
+class KernelWeight:
+    """One weight matrix packed for the C++ kernels, and how to multiply by it."""
+    kernels: object
+    n: int                               # output features
+    packed: torch.Tensor | None          # bf16/fp32, for kernels.bi_linear
+    q_packed: torch.Tensor | None = None  # int8, for kernels.bi_linear_int8 ...
+    qscale: torch.Tensor | None = None   # ... with its per-column float32 scales
+    int8_max_rows: float = 0
+    w8a8: torch.Tensor | None = None     # int8 for kernels.w8a8_linear, with qscale
+    w4a8: torch.Tensor | None = None     # 4-bit for kernels.w4a8_linear ...
+    w4d: torch.Tensor | None = None      # ... with its block scales
+    w4m: torch.Tensor | None = None      # ... and block minimums
+    # float32 outputs by default: the LM head's logits, a row-parallel layer's partial sums
+    out_float32: bool = False
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool | None = None):
+        out_float32 = self.out_float32 if out_float32 is None else out_float32
+        if self.w4a8 is not None:
+            return self.kernels.w4a8_linear(x, self.w4a8, self.w4d, self.w4m, self.n, bias, out_float32)
+        if self.w8a8 is not None:
+            return self.kernels.w8a8_linear(x, self.w8a8, self.qscale, self.n, bias, out_float32)
+        if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:
+            return self.kernels.bi_linear_int8(x, self.q_packed, self.qscale, self.n, bias, out_float32)
+        return self.kernels.bi_linear(x, self.packed, self.n, bias, out_float32)
+
+
+def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None,
+                  deterministic: bool, w8a8: bool = False,
+                  w4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> KernelWeight:
+    weight = weight.detach()
+    if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
+        packed, d, m = kernels.w4a8_pack_weight(*w4)
+        return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
+    if q is None:
+        return KernelWeight(kernels, weight.shape[0], kernels.bi_pack_weight(weight))
+    qweight, qscale = q
+    if w8a8:  # one kernel at every row count, so batch-invariant whatever the mode
+        return KernelWeight(kernels, weight.shape[0], None, qscale=qscale.float().contiguous(),
+                            w8a8=kernels.w8a8_pack_weight(qweight))
+    return KernelWeight(kernels, weight.shape[0],
+                        None if deterministic else kernels.bi_pack_weight(weight),
+                        kernels.bi_pack_weight_int8(qweight), qscale.float().contiguous(),
+                        float("inf") if deterministic else KERNEL_INT8_MAX_ROWS)
+
+
+@dataclass
+class PackedWeight:
+    """A oneDNN prepacked bf16 weight."""
+    packed: torch.Tensor
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+@dataclass
+class Int8Weight:
+    """int8 weights with per-row scales: torch's int8 matmul for steps of at most
+    INT8_MAX_ROWS rows, the dequantized weight (prepacked where oneDNN can) above."""
+    qweight: torch.Tensor                 # int8 [out, in]
+    qscale: torch.Tensor                  # [out], in the activation dtype
+    weight: torch.Tensor                  # the dequantized weight
+    packed: PackedWeight | None = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= INT8_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscale)
+            return y if bias is None else y + bias
+        if self.packed is not None:
+            return self.packed(x, bias)
+        return F.linear(x, self.weight, bias)
+
+
+@torch.no_grad()
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

@@ -1,0 +1,296 @@
+"""Paged attention in Triton: the flat batch (prompt chunks and decodes together) in one
+kernel, a split-K kernel for decode steps over long contexts, and RoPE fused with the K/V
+cache write.
+
+The cache layout is the CPU backend's (backends/base.py): per layer K and V of
+[kv_heads, num_blocks, block_size, head_dim], head-major, so a block of one KV head is
+block_size x head_dim contiguous values (one coalesced read), and slot s of the flat
+slot mapping is block s // block_size, row s % block_size.
+
+`varlen_attention`: one program per (tile of query tokens of one request, KV head). The
+tile's rows are its tokens times the query heads of that KV head (GQA: the KV head's
+blocks are read once for all of them), padded to a power of two of at least 16 for
+tl.dot. It walks the request's block table up to the last key any of its rows sees, with
+an online softmax; each query at position p (the chunk's tokens are the last q_len of
+the request's seq_len) sees keys 0..p, so prefix hits (keys computed by another
+request) and chunked prefill need nothing special. Scores and the softmax are float32;
+the products run in the cache's dtype with float32 sums, as flash attention does.
+
+`decode_attention`: a decode-only step (one query a request) over contexts long enough
+that one program per (request, KV head) would leave most of the GPU idle: the keys are cut
+into `splits` ranges, each program computes its range's partial softmax (maximum, sum,
+weighted values), and a second kernel merges the ranges exactly.
+
+Every kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is
+how the suite proves them against the torch reference without a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """Products in float32 (IEEE, not TF32): for a float32 cache, and for every cache under
+    Triton's interpreter, which has no bf16 or fp16 arithmetic of its own (its bf16 dot
+    products come out as garbage), so there the half-precision kernels run upcast."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_ks, stride_bt,
+                   G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    req = tl.load(tile_req + tile)
+    q0 = tl.load(tile_q0 + tile)
+    q_start = tl.load(query_start + req)
+    q_len = tl.load(query_start + req + 1) - q_start
+    seq_len = tl.load(seq_lens + req)
+    ctx = seq_len - q_len
+    r = tl.arange(0, ROWS)
+    tok = q0 + r // G
+    head = kvh * G + r % G
+    row_ok = (r < BLOCK_Q * G) & (tok < q_len)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = ctx + tok
+    # The last key any row of this tile sees (exclusive).
+    last = tl.minimum(ctx + q0 + BLOCK_Q, seq_len)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(0, last, BLOCK_N):
+        j = start + n
+        j_ok = j < last
+        blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
+        at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + at, mask=kv_ok, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        s = tl.where((j[None, :] <= pos[:, None]) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row none of whose keys is visible yet keeps m = -inf: no exp(-inf - -inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + at, mask=kv_ok, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def varlen_tiles(query_start: list[int], block_q: int) -> tuple[list[int], list[int]]:
+    """The (request, first query) of each tile of `block_q` query tokens, request by
+    request (host lists: the runner builds them with the step's other metadata)."""
+    reqs, q0s = [], []
+    for i in range(len(query_start) - 1):
+        for q0 in range(0, query_start[i + 1] - query_start[i], block_q):
+            reqs.append(i)
+            q0s.append(q0)
+    return reqs, q0s
+
+
+def block_q_for(group: int, max_q: int) -> int:
+    """Query tokens per tile: enough rows (tokens x the KV head's query heads) to fill a
+    16-row tl.dot and at most 64 rows, never more tokens than the longest chunk needs."""
+    rows = min(64, max(16, group * max_q))
+    return max(1, min(_pow2(max_q), rows // group if group <= rows else 1))
+
+
+def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start: torch.Tensor, tile_req: torch.Tensor,
+                     tile_q0: torch.Tensor, block_q: int, scale: float, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D]; the caches [Hkv, blocks, block_size, D]; the tiles from
+    varlen_tiles(query_start, block_q). Rows past query_start[-1] (a padded batch) are
+    left as `out` holds them (zeros when it is made here)."""
+    t, hq, d = q.shape
+    hkv, _, bs, _ = k_cache.shape
+    group = hq // hkv
+    out = torch.zeros_like(q) if out is None else out
+    if tile_req.numel() == 0:
+        return out
+    rows = _pow2(block_q * group, 16)
+    grid = (tile_req.numel(), hkv)
+    _varlen_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
+                         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+                         k_cache.stride(2), block_tables.stride(0),
+                         G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), BLOCK_Q=block_q, ROWS=rows, BLOCK_SIZE=bs,
+                         BLOCK_N=max(16, bs), IEEE=_ieee(q.dtype))
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split_len,
+                         stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_bt,
+                         stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+                         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + req)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    r = tl.arange(0, ROWS)
+    head = kvh * G + r
+    row_ok = r < G
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + req * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + n
+        j_ok = j < hi
+        blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
+        at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + at, mask=kv_ok, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(j_ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + at, mask=kv_ok, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The split's normalised values and its log-sum-exp (-inf for an empty split).
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(Mid + req * stride_mt + head[:, None] * stride_mh + split * stride_ms + d[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + req * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(Mid, Lse, Out, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
+                         SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    req = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < SPLITS
+    d_ok = d < HEAD_DIM
+    lse = tl.load(Lse + req * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp(lse - top)
+    w = w / tl.sum(w, 0)
+    mid = tl.load(Mid + req * stride_mt + h * stride_mh + s[:, None] * stride_ms + d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(mid * w[:, None], 0)
+    tl.store(Out + req * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, splits: int, split_len: int, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token a request (q [B, Hq, D], row i is request i), its keys cut into
+    `splits` ranges of `split_len` tokens (splits * split_len >= the longest seq_len; a
+    range past a request's length is empty and weighs nothing in the merge)."""
+    b, hq, d = q.shape
+    hkv, _, bs, _ = k_cache.shape
+    group = hq // hkv
+    out = torch.empty_like(q) if out is None else out
+    mid = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, mid, lse, block_tables, seq_lens, scale, split_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
+        G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), ROWS=_pow2(group, 16), BLOCK_SIZE=bs, BLOCK_N=max(16, bs),
+        IEEE=_ieee(q.dtype))
+    _decode_merge_kernel[(b, hq)](mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
+                                  lse.stride(1), out.stride(0), out.stride(1), SPLITS=splits, S_PAD=_pow2(splits),
+                                  HEAD_DIM=d, D_PAD=_pow2(d))
+    return out
+
+
+@triton.jit
+def _rope_write_kernel(QKV, Cos, Sin, Qout, K, V, slots, stride_t, stride_ct, stride_qt, stride_qh,
+                       stride_kh, stride_kb, stride_ks,
+                       HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                       H_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One program per token: RoPE (rotate-half) on its query and key heads, q to Qout, k
+    and v into the cache at the token's slot. Products in float32, one rounding each, as
+    torch's x * cos + rotate_half(x) * sin (in the model's dtype) would not promise: the
+    reference comparison is to rounding."""
+    t = tl.program_id(0)
+    h = tl.arange(0, H_PAD)
+    i = tl.arange(0, HALF)
+    cos1 = tl.load(Cos + t * stride_ct + i).to(tl.float32)
+    cos2 = tl.load(Cos + t * stride_ct + HALF + i).to(tl.float32)
+    sin1 = tl.load(Sin + t * stride_ct + i).to(tl.float32)
+    sin2 = tl.load(Sin + t * stride_ct + HALF + i).to(tl.float32)
+    base = QKV + t * stride_t
+    qm = (h < HQ)[:, None]
+    x1 = tl.load(base + h[:, None] * HEAD_DIM + i[None, :], mask=qm, other=0.0).to(tl.float32)
+    x2 = tl.load(base + h[:, None] * HEAD_DIM + HALF + i[None, :], mask=qm, other=0.0).to(tl.float32)
+    qo = Qout + t * stride_qt + h[:, None] * stride_qh
+    tl.store(qo + i[None, :], (x1 * cos1[None, :] - x2 * sin1[None, :]).to(Qout.dtype.element_ty), mask=qm)
+    tl.store(qo + HALF + i[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(Qout.dtype.element_ty), mask=qm)
+    slot = tl.load(slots + t)
+    kvm = (h < HKV)[:, None]
+    dst = h[:, None] * stride_kh + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+    kb = base + HQ * HEAD_DIM + h[:, None] * HEAD_DIM
+    k1 = tl.load(kb + i[None, :], mask=kvm, other=0.0).to(tl.float32)
+    k2 = tl.load(kb + HALF + i[None, :], mask=kvm, other=0.0).to(tl.float32)
+    tl.store(K + dst + i[None, :], (k1 * cos1[None, :] - k2 * sin1[None, :]).to(K.dtype.element_ty), mask=kvm)
+    tl.store(K + dst + HALF + i[None, :], (k2 * cos2[None, :] + k1 * sin2[None, :]).to(K.dtype.element_ty), mask=kvm)
+    vb = base + (HQ + HKV) * HEAD_DIM + h[:, None] * HEAD_DIM
+    v1 = tl.load(vb + i[None, :], mask=kvm, other=0.0)
+    v2 = tl.load(vb + HALF + i[None, :], mask=kvm, other=0.0)
+    tl.store(V + dst + i[None, :], v1, mask=kvm)
+    tl.store(V + dst + HALF + i[None, :], v2, mask=kvm)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] after RoPE; K (after RoPE) and V written
+    into the caches at the slots. cos, sin: [T, D] (or [T, 1, D])."""
+    t = qkv.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
+    qkv = qkv.contiguous()
+    _rope_write_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos2.stride(0),
+                             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                             HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+                             H_PAD=_pow2(max(num_heads, num_kv_heads)), BLOCK_SIZE=k_cache.shape[2])
+    return q

@@ -1,0 +1,247 @@
+"""The CUDA backend: bf16 / fp16 weights through torch's matmuls (cuBLAS), paged attention
+and RoPE with the K/V write in Triton (attention.py), RMSNorm (+ residual) and SwiGLU in
+Triton (ops.py), sampling on the GPU with one host sync a step (the runner's), the KV cache
+sized from the GPU's free memory, and CUDA graphs for decode-only steps (graphs.py).
+
+Its plan line, e.g.:
+    backend: cuda dtype=bfloat16 linear=cublas attention=triton-varlen+splitk kv=bfloat16
+             norm=triton rope=triton head=cublas graphs=1,2,4,...,256 deterministic=off
+
+What it does not run is refused in one line before anything loads: the quantization
+schemes and the int8 KV cache (their kernels are the CPU's), deterministic mode (its
+batch-invariant kernels are the CPU's) and tensor parallelism (its ranks talk gloo).
+
+Without a GPU the same backend runs on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1, Triton's own switch): that is how the suite drives the engine through
+these kernels in CI. Graphs are then off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from sluice.backends.base import AttentionMetadata, Backend, FlatBatch
+from sluice.backends.torch_ref import TorchOps
+
+logger = logging.getLogger("sluice.backends.select")
+
+# A decode-only step splits each request's keys into ranges of at least this many tokens
+# once its longest context passes it (split-K): below it, one program per (request, KV
+# head) reads the whole context (attention.decode_attention).
+SPLIT_K_MIN_TOKENS = 1024
+# The most splits a decode step uses (the merge reads them all).
+MAX_SPLITS = 16
+
+
+def interpreted() -> bool:
+    """Triton's kernels run under its interpreter, on CPU tensors (its own switch)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class CudaAttentionPlan:
+    """The CUDA attention's part of a step's record: its tiles (device tensors), or the
+    split-K decode's plan."""
+    decode_req: torch.Tensor | None      # tiles of one query token (decodes)
+    decode_q0: torch.Tensor | None
+    chunk_req: torch.Tensor | None       # tiles of `block_q` tokens of a prompt chunk (or drafts)
+    chunk_q0: torch.Tensor | None
+    block_q: int
+    splits: int = 0                      # > 0: a decode-only step through split-K
+    split_len: int = 0
+
+
+class TritonOps(TorchOps):
+    """The layer ops on Triton's kernels; torch's where a shape is off their path (Qwen3's
+    per-head norms before RoPE, a head_dim that is not a power of two)."""
+    name = "triton"
+
+    def rms_norm(self, x, weight, eps):
+        from sluice.backends.cuda import ops
+        return ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        from sluice.backends.cuda import ops
+        return ops.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up):
+        from sluice.backends.cuda import ops
+        return ops.silu_and_mul(gate_up)
+
+    def rope_write_kv(self, qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm=None,
+                      k_norm=None):
+        if q_norm is not None or head_dim & (head_dim - 1):
+            return super().rope_write_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                                         q_norm, k_norm)
+        from sluice.backends.cuda import attention
+        return attention.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, num_heads,
+                                       num_kv_heads, head_dim)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        from sluice.backends.cuda import attention
+        plan: CudaAttentionPlan = meta.extra
+        if plan.splits:
+            n = meta.seq_lens.shape[0]
+            out = torch.zeros_like(q)
+            attention.decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.splits,
+                                       plan.split_len, scale, out=out[:n])
+            return out
+        out = torch.zeros_like(q)
+        if plan.decode_req is not None:
+            attention.varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       plan.decode_req, plan.decode_q0, 1, scale, out=out)
+        if plan.chunk_req is not None:
+            attention.varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       plan.chunk_req, plan.chunk_q0, plan.block_q, scale, out=out)
+        return out
+
+
+TRITON_OPS = TritonOps()
+
+
+@dataclass
+class CudaBackend(Backend):
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: str
+    deterministic: bool
+    tensor_parallel_size: int
+    # CUDA graphs for decode-only steps (off: --enforce-eager, and under the interpreter).
+    graphs_enabled: bool = True
+    # The fraction of the GPU's memory the engine may hold (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.9
+
+    family = "cuda"
+    # A GPU runs a 2,048-token step in one go.
+    default_max_num_batched_tokens = 2048
+    ops = TRITON_OPS
+
+    # -- chosen before anything loads ----------------------------------------------
+    @classmethod
+    def auto_dtype_for(cls, device: str, cpu_isa: str = "auto") -> torch.dtype:
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+
+    @classmethod
+    def check_settings(cls, model_config, cache_config, tensor_parallel_size: int) -> None:
+        m = model_config
+        if m.quantization is not None:
+            raise ValueError(f"quantization={m.quantization!r} runs on sluice's CPU kernels; on device={m.device!r} "
+                             f"what works: quantization=None (bf16 or fp16 weights through cuBLAS)")
+        if cache_config.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={cache_config.kv_cache_dtype!r} runs on sluice's CPU kernels; on "
+                             f"device={m.device!r} what works: kv_cache_dtype='auto'")
+        if m.deterministic:
+            raise ValueError(f"deterministic mode runs on the CPU (its batch-invariant kernels have no CUDA build "
+                             f"yet); on device={m.device!r} what works: the default (non-deterministic) mode")
+        if tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo between rank processes); on "
+                             f"device={m.device!r} ranks over NCCL are not built yet: what works is "
+                             f"tensor_parallel_size=1")
+
+    @classmethod
+    def build(cls, model_config, cache_config, dtype, tensor_parallel_size: int = 1) -> "CudaBackend":
+        cls.check_settings(model_config, cache_config, tensor_parallel_size)
+        device = torch.device(model_config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={model_config.device!r}: torch sees no CUDA device here "
+                             f"(torch {torch.__version__}); what works here: device='cpu'")
+        if device.type != "cuda" and not interpreted():
+            raise ValueError(f"the CUDA backend runs its Triton kernels on a GPU, or on CPU tensors only under "
+                             f"Triton's interpreter (TRITON_INTERPRET=1); device={model_config.device!r}")
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"device={model_config.device!r} needs triton ({e}); pip install triton") from e
+        dtype = cls.auto_dtype_for(model_config.device) if dtype is None else dtype
+        graphs = device.type == "cuda" and not model_config.enforce_eager
+        return cls(device=device, dtype=dtype, kv_cache_dtype="auto", deterministic=False,
+                   tensor_parallel_size=tensor_parallel_size, graphs_enabled=graphs,
+                   gpu_memory_utilization=cache_config.gpu_memory_utilization)
+
+    def line(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        graphs = getattr(self, "_graph_sizes", None)
+        graphs = ("off" if not self.graphs_enabled else ",".join(map(str, graphs)) if graphs else "on")
+        return (f"backend: {self.device.type} dtype={dtype} linear=cublas attention=triton-varlen+splitk kv={dtype} "
+                f"norm=triton rope=triton head=cublas graphs={graphs} deterministic=off")
+
+    # -- the model --------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, model, quantization=None, max_positions=None, with_head: bool = True) -> None:
+        # Query heads per KV head: the rows of one attention tile per query token.
+        self.group = model.arch.num_heads // model.arch.num_kv_heads
+        for module in model.modules():
+            if hasattr(type(module), "ops"):
+                module.ops = self.ops
+        if with_head:
+            model.head = model.lm_head
+
+    def update(self, model, quantization, written, with_head: bool = True) -> None:
+        """Weights are used as loaded (no packed copies): nothing to rebuild but the graphs,
+        which read the parameters in place and so see the new values."""
+
+    # -- the KV cache -------------------------------------------------------------
+    def num_kv_blocks(self, cache, arch, num_kv_heads=None) -> int:
+        """As many blocks as `gpu_memory_utilization` of the GPU leaves once the weights
+        (already loaded) and a step's activations are in: --kv-cache-memory's role on a CPU."""
+        if cache.num_blocks or self.device.type != "cuda":
+            return super().num_kv_blocks(cache, arch, num_kv_heads)
+        per_block = self.kv_bytes_per_block(arch, cache.block_size, num_kv_heads)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Activations of the largest step: a few [tokens, intermediate] buffers and the logits.
+        reserve = 8 * self.default_max_num_batched_tokens * max(arch.intermediate_size, arch.hidden_size) * 4 \
+            + 2 * 256 * arch.vocab_size * 4
+        room = int(total * self.gpu_memory_utilization) - (total - free) - reserve
+        blocks = room // per_block
+        if blocks < 1:
+            raise ValueError(f"the model does not fit: with gpu_memory_utilization={self.gpu_memory_utilization} of "
+                             f"{total / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} GiB in use (weights) leaves no "
+                             f"room for one KV block ({per_block / 2**20:.1f} MiB); raise gpu_memory_utilization or "
+                             f"use a smaller model")
+        return blocks
+
+    # -- one step -----------------------------------------------------------------
+    def attention_metadata(self, batch: FlatBatch) -> AttentionMetadata:
+        from sluice.backends.cuda.attention import block_q_for, varlen_tiles
+        dev = self.device
+        qs, seq_lens = batch.query_start, batch.seq_lens
+        n = len(seq_lens)
+        max_blocks = max(len(b) for b in batch.block_ids)
+        pin = dev.type == "cuda"
+
+        def to_dev(data, dtype=torch.int32):
+            t = torch.tensor(data, dtype=dtype, pin_memory=pin)
+            return t.to(dev, non_blocking=True)
+
+        q_lens = [qs[i + 1] - qs[i] for i in range(n)]
+        longest = max(seq_lens)
+        plan = CudaAttentionPlan(None, None, None, None, 1)
+        if max(q_lens) == 1 and longest > SPLIT_K_MIN_TOKENS:
+            plan.splits = min(MAX_SPLITS, -(-longest // SPLIT_K_MIN_TOKENS))
+            plan.split_len = -(-longest // plan.splits)
+        else:
+            dec = [i for i in range(n) if q_lens[i] == 1]
+            chunks = [i for i in range(n) if q_lens[i] > 1]
+            if dec:
+                plan.decode_req, plan.decode_q0 = to_dev(dec), to_dev([0] * len(dec))
+            if chunks:
+                plan.block_q = block_q_for(self.group, max(q_lens[i] for i in chunks))
+                reqs, q0s = varlen_tiles(qs, plan.block_q)
+                keep = [(r, q) for r, q in zip(reqs, q0s) if q_lens[r] > 1]
+                plan.chunk_req, plan.chunk_q0 = to_dev([r for r, _ in keep]), to_dev([q for _, q in keep])
+        return AttentionMetadata(
+            slot_mapping=to_dev(batch.slots, torch.long),
+            query_start_loc=to_dev(qs),
+            seq_lens=to_dev(seq_lens),
+            block_tables=to_dev([b + [0] * (max_blocks - len(b)) for b in batch.block_ids]),
+            extra=plan,
+        )
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

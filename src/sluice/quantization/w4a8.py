@@ -1,0 +1,71 @@
+"""w4a8: 4-bit weights in llama.cpp's Q4_1 form (a scale and a minimum per block of 32:
+a Q4_1 GGUF's own values, found again from its bf16 weights) times the int8 activations of
+w8a8 (backends/cpu/x86/w4a8.cpp), at every row count: the fastest batches on AVX2 CPUs
+without VNNI. Its end layers (base.end_layers) multiply the 4-bit weights' values in bf16."""
+from __future__ import annotations
+
+import torch
+
+from sluice.models.linear import Linear
+from sluice.quantization.base import QuantizationScheme, end_layers
+
+BLOCK_4BIT = 32
+
+
+def quantize_4bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 per block of 32 k of each row: w ~= d * q + m with q in 0..15, m
+    the block's minimum and d = (max - m) / 15. Returns (q [N, K] uint8, d, m [N, ceil(K /
+    32)] float32). On the values of a Q4_1 tensor (a Q4_1 GGUF loaded in bf16) it finds
+    the stored q again: each value is within bf16 rounding of d * q + m, far under d / 2."""
+    w = weight.detach().float()
+    n, k = w.shape
+    kp = -(-k // BLOCK_4BIT) * BLOCK_4BIT
+    valid = torch.arange(kp) < k
+    wp = torch.nn.functional.pad(w, (0, kp - k)).view(n, kp // BLOCK_4BIT, BLOCK_4BIT)
+    valid = valid.view(1, kp // BLOCK_4BIT, BLOCK_4BIT)
+    mn = torch.where(valid, wp, torch.inf).amin(dim=2)
+    mx = torch.where(valid, wp, -torch.inf).amax(dim=2)
+    d = (mx - mn) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((wp - mn[..., None]) / safe[..., None]).clamp(0, 15)
+    q = torch.where(valid & (d[..., None] > 0), q, torch.zeros_like(q))
+    return q.view(n, kp)[:, :k].to(torch.uint8).contiguous(), d, mn
+
+
+def dequantize_4bit(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_4bit's values back: d * q + m per block of 32, float32 [N, K]."""
+    n, k = q.shape
+    nblk = d.shape[1]
+    qb = torch.nn.functional.pad(q.float(), (0, nblk * BLOCK_4BIT - k)).view(n, nblk, BLOCK_4BIT)
+    return (qb * d[..., None] + m[..., None]).view(n, -1)[:, :k]
+
+
+@torch.no_grad()
+def quantize_rows_4bit(module: Linear, start: int = 0, rows: int | None = None) -> None:
+    """quantize_rows' 4-bit counterpart: rows [start, start + rows) of a Linear's weight to
+    quantize_4bit's form, in place (the weight keeps their dequantized values), and
+    `module.w4` their (q, d, m), what the w4a8 kernels pack. Rows are independent."""
+    rows = module.weight.shape[0] - start if rows is None else rows
+    w = module.weight.narrow(0, start, rows)
+    q, d, m = quantize_4bit(w)
+    w.copy_(dequantize_4bit(q, d, m).to(w.dtype))
+    if getattr(module, "w4", None) is None:
+        full, nblk = module.weight.shape, d.shape[1]
+        module.w4 = (torch.zeros(full, dtype=torch.uint8), torch.zeros(full[0], nblk), torch.zeros(full[0], nblk))
+    for held, new in zip(module.w4, (q, d, m)):
+        held[start:start + rows] = new
+
+
+class W4A8(QuantizationScheme):
+    name = "w4a8"
+
+    def quantize_rows(self, module, start=0, rows=None):
+        quantize_rows_4bit(module, start, rows)
+
+    def kernel_method(self, kernels, model, name, module, dtype, deterministic):
+        from sluice.backends.cpu.linear import kernel_weight
+        w4 = None if name.startswith(end_layers(model)) else module.w4
+        return kernel_weight(kernels, module.weight, None, deterministic, w4=w4)
+
+
+W4A8_SCHEME = W4A8()
