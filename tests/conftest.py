@@ -9,6 +9,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
+# Without a GPU the CUDA backend's Triton kernels run under Triton's interpreter on CPU
+# tensors: set before anything imports triton (its kernels read it when they are defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from sluice.models.loader import resolve_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

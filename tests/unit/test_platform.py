@@ -5,6 +5,7 @@ cached by variant and content and survive a killed build."""
 from __future__ import annotations
 
 import logging
+import re
 import os
 import subprocess
 import sys
@@ -251,3 +252,114 @@ def test_a_live_build_is_waited_for_and_said(tmp_path, caplog):
     holder.wait(5)
     assert "waiting for another process's build" in caplog.text
     assert waited > 0.3  # it did wait for the holder (who held it ~1 s), not barge in
+
+
+# Every mode's plan, per kernel build: what each build runs for it (the kernel builds share
+# one plan but for the greedy head, which on plain AVX2 takes 7-bit activations).
+MODES = {
+    "default": dict(),
+    "float32": dict(dtype="float32"),
+    "int8": dict(quantization="int8"),
+    "w8a8": dict(quantization="w8a8"),
+    "w4a8": dict(quantization="w4a8"),
+    "kv int8": dict(kv_cache_dtype="int8"),
+    "w4a8 + kv int8": dict(quantization="w4a8", kv_cache_dtype="int8"),
+    "deterministic": dict(deterministic=True),
+    "deterministic w4a8": dict(deterministic=True, quantization="w4a8"),
+}
+
+
+def expected_line(isa: str, mode: str) -> str:
+    kw = MODES[mode]
+    if kw.get("dtype") == "float32":
+        return (f"backend: cpu isa={isa} dtype=float32 linear=torch attention=kernels-decode+sdpa kv=float32 "
+                f"norm=torch rope=torch head=torch deterministic=off")
+    q = kw.get("quantization")
+    linear = {None: "kernels", "int8": "kernels-int8", "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8"}[q]
+    det = kw.get("deterministic", False)
+    head = "kernels" if det else "kernels-greedy-w8a7" if isa == "avx2" else "kernels-greedy-w8a8"
+    kv = kw.get("kv_cache_dtype", "bfloat16").replace("auto", "bfloat16")
+    return (f"backend: cpu isa={isa} dtype=bfloat16 linear={linear} attention=kernels-varlen kv={kv} norm=kernels "
+            f"rope=kernels head={head} deterministic={'on' if det else 'off'}")
+
+
+@pytest.mark.requires("kernels")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_plan_of_every_mode_on_every_build(kernel_isa, mode):
+    """The backend each (kernel build, mode) pair this machine runs gets, as its plan line,
+    before any weight loads."""
+    from sluice.backends.select import select
+    from sluice.config import EngineConfig
+    cfg = EngineConfig.from_kwargs(cpu_isa=kernel_isa, **MODES[mode])
+    assert select(cfg.model, cfg.cache, log=False).line() == expected_line(kernel_isa, mode)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_generic_plan_or_refusal_of_every_mode(mode):
+    """torch's own ops (cpu_isa='generic'): a plan where they run the mode, else one line."""
+    from sluice.backends.platform import cpu
+    from sluice.backends.select import select
+    from sluice.config import EngineConfig
+    kw = MODES[mode]
+    if kw.get("deterministic") or kw.get("kv_cache_dtype") or kw.get("quantization") in ("w8a8", "w4a8"):
+        with pytest.raises(ValueError, match=r"needs sluice's C\+\+ kernels .* cpu_isa='generic' runs torch's own "
+                                             r"ops; what works here: "):
+            EngineConfig.from_kwargs(cpu_isa="generic", **kw)
+        return
+    cfg = EngineConfig.from_kwargs(cpu_isa="generic", **{"dtype": "bfloat16", **kw})
+    prepack = cpu().onednn_bf16 and cfg.model.dtype != "float32"
+    linear = {None: "onednn-bf16" if prepack else "torch",
+              "int8": "torch-int8+onednn-bf16" if prepack else "torch-int8"}[kw.get("quantization")]
+    if cfg.model.dtype == "float32":
+        linear = "torch" if kw.get("quantization") is None else linear
+    dtype = cfg.model.dtype
+    head = "torch" if linear == "torch" else linear
+    assert select(cfg.model, cfg.cache, log=False).line() == (
+        f"backend: cpu isa=generic dtype={dtype} linear={linear} attention=torch-matmul-decode+sdpa kv={dtype} "
+        f"norm=torch rope=torch head={head} deterministic=off")
+
+
+def test_the_cuda_plan_and_its_refusals(monkeypatch):
+    """The CUDA backend's plan (on CPU tensors under Triton's interpreter where there is no
+    GPU) and what it refuses."""
+    pytest.importorskip("triton")
+    from sluice.backends import select
+    from sluice.config import EngineConfig
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setitem(select.FAMILIES, "cpu", ("sluice.backends.cuda.backend", "CudaBackend"))
+    cfg = EngineConfig.from_kwargs(device=device, enforce_eager=True)
+    assert cfg.scheduler.max_num_batched_tokens == 2048
+    assert select.select(cfg.model, cfg.cache, log=False).line() == (
+        f"backend: {device} dtype=bfloat16 linear=cublas attention=triton-varlen+splitk kv=bfloat16 norm=triton "
+        f"rope=triton head=cublas graphs=off deterministic=off")
+
+
+HARDWARE = re.compile(r"\b(cpu|cuda|gpu|avx\w*|isa|kernels?|triton|onednn|mkldnn|x86|bfloat16|"
+                      r"is_available|mem_get_info|device_type)\b", re.IGNORECASE)
+
+
+def code_names(path) -> list[tuple[int, str]]:
+    """(line, name) of every identifier and attribute in a Python file's code: comments and
+    strings (docstrings included) left out."""
+    import io
+    import tokenize
+    with open(path, "rb") as f:
+        toks = tokenize.tokenize(io.BytesIO(f.read()).readline)
+        return [(t.start[0], t.string) for t in toks if t.type == tokenize.NAME]
+
+
+def test_no_hardware_branch_outside_backends():
+    """models/, the runner, engine/ and config.py ask the backend; they name no device,
+    ISA, kernel or hardware dtype in their code (what their comments say is free), and
+    import no family's backend."""
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[2] / "src" / "sluice"
+    files = [*sorted((src / "models").glob("*.py")), src / "worker" / "model_runner.py",
+             *sorted((src / "engine").glob("*.py")), src / "config.py"]
+    found = [f"{p.relative_to(src)}:{line}: {name}" for p in files for line, name in code_names(p)
+             if HARDWARE.fullmatch(name)]
+    assert not found, found
+    imports = [f"{p.relative_to(src)}: {line.strip()}" for p in files for line in p.read_text().splitlines()
+               if re.match(r"\s*(from|import) sluice\.backends\.(cpu|cuda)\b", line)]
+    assert not imports, imports

@@ -1,18 +1,16 @@
 """The CUDA backend's Triton kernels against a plain torch reference, on small shapes:
 chunked prefill, decodes, mixed batches, GQA, block boundaries, prefix hits, long contexts
 through split-K, RoPE with the cache write, the norms and SwiGLU. Without a GPU they run
-under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before Triton is
-imported), so CI proves every kernel; on a GPU the same tests run the compiled kernels."""
+under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, which tests/conftest.py
+sets before Triton is imported), so CI proves every kernel; on a GPU the same tests run
+the compiled kernels."""
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from sluice.backends.cuda import attention as ta  # noqa: E402

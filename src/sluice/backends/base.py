@@ -155,7 +155,17 @@ class Backend:
         return None, None
 
     def capture(self, runner) -> None:
-        """Record what runs the same way every step (CUDA graphs); nothing by default."""
+        """Record what runs the same way every step (CUDA graphs), once the runner's KV
+        tensors exist; nothing by default."""
+
+    def release(self) -> None:
+        """Forget what capture() recorded (the KV tensors it read are being freed)."""
+
+    def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches) -> torch.Tensor:
+        """The model's forward pass over one step (a recorded graph's replay where capture()
+        made one for the step's shape)."""
+        return model(input_ids, positions, meta, kv_caches)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (timings); nothing where work is synchronous."""

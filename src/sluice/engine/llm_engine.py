@@ -113,7 +113,8 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     model.eval()
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     backend.prepare(model, mc.quantization, max_model_len, with_head=rank == 0)
-    runner = ModelRunner(model, backend, config.cache, mc.seed)
+    runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
+                         max_model_len=max_model_len)
     return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
 
 

@@ -39,9 +39,14 @@ PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
-    def __init__(self, model, backend, cache: CacheConfig, seed: int, grammar_mask_width: int | None = None):
+    def __init__(self, model, backend, cache: CacheConfig, seed: int, grammar_mask_width: int | None = None,
+                 max_num_seqs: int = 256, max_model_len: int | None = None):
         self.model = model
         self.backend = backend
+        # The most requests a step decodes, and the longest context: the shapes a backend
+        # records (CUDA graphs) must cover.
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or model.arch.max_position_embeddings
         self.arch = model.arch
         self.dtype = backend.dtype
         self.device = backend.device
@@ -75,15 +80,18 @@ class ModelRunner:
 
     # -- the KV cache ---------------------------------------------------------
     def allocate_kv(self) -> None:
-        """K and V tensors for every layer (zeros); a no-op if they exist."""
+        """K and V tensors for every layer (zeros); a no-op if they exist. The backend then
+        records what reads them (CUDA graphs)."""
         if self.kv_caches is None:
             self.kv_caches = self.backend.allocate_kv_cache(self.arch.num_layers, self.num_kv_heads, self.num_blocks,
                                                             self.block_size, self.arch.head_dim)
+            self.backend.capture(self)
 
     def free_kv(self) -> int:
         """Drop the KV tensors (their memory goes back to the system); returns their bytes."""
         if self.kv_caches is None:
             return 0
+        self.backend.release()
         freed = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
         self.kv_caches = None
         return freed
@@ -210,7 +218,7 @@ class ModelRunner:
         if self.tp is not None:  # the other ranks build the same batch and run their shards beside this one
             self.tp.send(("forward", step_inputs(plan)))
         try:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            hidden = self.backend.forward(self.model, input_ids, positions, meta, self.kv_caches)
         finally:
             grammar = None
             if masks is not None:  # even when the forward failed: the thread must be done with them

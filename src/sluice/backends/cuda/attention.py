@@ -208,8 +208,9 @@ def _decode_merge_kernel(Mid, Lse, Out, stride_mt, stride_mh, stride_ms, stride_
     d_ok = d < HEAD_DIM
     lse = tl.load(Lse + req * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
-    w = tl.exp(lse - top)
-    w = w / tl.sum(w, 0)
+    # A request with no keys at all (a padding row of a captured batch) gets zeros, not NaN.
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
     mid = tl.load(Mid + req * stride_mt + h * stride_mh + s[:, None] * stride_ms + d[None, :],
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(mid * w[:, None], 0)

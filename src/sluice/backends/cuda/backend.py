@@ -52,6 +52,7 @@ class CudaAttentionPlan:
     block_q: int
     splits: int = 0                      # > 0: a decode-only step through split-K
     split_len: int = 0
+    decode_only: bool = False            # every request computes one token (a graph can run it)
 
 
 class TritonOps(TorchOps):
@@ -220,8 +221,8 @@ class CudaBackend(Backend):
 
         q_lens = [qs[i + 1] - qs[i] for i in range(n)]
         longest = max(seq_lens)
-        plan = CudaAttentionPlan(None, None, None, None, 1)
-        if max(q_lens) == 1 and longest > SPLIT_K_MIN_TOKENS:
+        plan = CudaAttentionPlan(None, None, None, None, 1, decode_only=max(q_lens) == 1)
+        if plan.decode_only and longest > SPLIT_K_MIN_TOKENS:
             plan.splits = min(MAX_SPLITS, -(-longest // SPLIT_K_MIN_TOKENS))
             plan.split_len = -(-longest // plan.splits)
         else:
@@ -241,6 +242,38 @@ class CudaBackend(Backend):
             block_tables=to_dev([b + [0] * (max_blocks - len(b)) for b in batch.block_ids]),
             extra=plan,
         )
+
+    # -- CUDA graphs -----------------------------------------------------------------
+    def capture(self, runner) -> None:
+        """Record the decode-only forward pass at every padded batch size (graphs.py); on a
+        failure, say why and run every step eagerly."""
+        self._graphs = None
+        if not self.graphs_enabled:
+            return
+        from sluice.backends.cuda.graphs import DecodeGraphs
+        max_len = runner.max_model_len
+        splits = min(MAX_SPLITS, max(1, -(-max_len // SPLIT_K_MIN_TOKENS)))
+        graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.max_num_seqs, max_len, runner.block_size,
+                              runner.scratch_slot, splits, self.device)
+        try:
+            graphs.capture()
+        except Exception as e:  # a model or shape the capture cannot take: eager is always right
+            logger.warning("CUDA graph capture failed (%s: %s); every step runs eagerly", type(e).__name__, e)
+            return
+        self._graphs = graphs
+        self._graph_sizes = sorted(graphs.graphs)
+
+    def release(self) -> None:
+        """Drop the graphs (the KV tensors they read are being freed)."""
+        self._graphs = None
+
+    def forward(self, model, input_ids, positions, meta: AttentionMetadata, kv_caches):
+        graphs = getattr(self, "_graphs", None)
+        if graphs is not None and meta.extra.decode_only:
+            out = graphs.run(input_ids, positions, meta)
+            if out is not None:
+                return out
+        return model(input_ids, positions, meta, kv_caches)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
