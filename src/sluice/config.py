@@ -14,6 +14,7 @@ DEFAULT_MODEL = "smollm2-135m"
 # None: full precision; else a scheme's name (quantization/: int8, w8a8, w4a8).
 QUANTIZATIONS = (None, *quantization.NAMES)
 KV_CACHE_DTYPES = ("auto", "int8")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class ModelConfig:
     deterministic: bool = False
     # CUDA: every step eager, no CUDA graphs for decode steps.
     enforce_eager: bool = False
+    # "auto": the checkpoint's weights; "dummy": random weights of the model's shape, made
+    # on the device from its config alone (to measure speed; vLLM's --load-format dummy).
+    load_format: str = "auto"
     # Which build of sluice's CPU kernels runs: "auto" (the best this CPU executes),
     # "avx512", "avx2_vnni" or "avx2" (force a lower build, e.g. to test it on an AVX-512
     # machine) or "generic" (none: torch's own ops). backends/platform.py.
@@ -216,6 +220,8 @@ class EngineConfig:
         if c.kv_cache_dtype == "int8" and c.block_size % 16:
             raise ValueError(f"kv_cache_dtype='int8' takes block_size a multiple of 16, got {c.block_size}")
         quantization.get(self.model.quantization)  # ValueError for an unknown scheme
+        if self.model.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.model.load_format!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
         # What the device cannot run, refused before any kernel is built or weight loaded;

@@ -529,3 +529,23 @@ def test_greedy_fast_path_under_a_grammar(tiny_checkpoint, kernel_isa):
     assert [o.token_ids for o in fast] == [o.token_ids for o in full]
     assert all(o.finish_reason == "stop" for o, p in zip(fast, params) if p.structured_outputs)
     assert_all_blocks_free(llm)
+
+
+def test_dummy_weights_need_only_the_config(tiny_checkpoint, tmp_path):
+    """load_format='dummy': random weights of the model's shape from its config alone (no
+    weight file), for speed measurements of shapes nobody has to download."""
+    import shutil
+    src = tiny_checkpoint("llama")
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32, load_format="dummy")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert len(out.outputs[0].token_ids) == 6
+    emb = llm.engine.runner.model.model.embed_tokens.weight
+    assert 0.01 < float(emb.detach().std()) < 0.03  # Llama's init std 0.02, not the checkpoint's 0.2
+    assert_all_blocks_free(llm)
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        LLM(model=str(tmp_path), load_format="random")

@@ -187,6 +187,11 @@ class TensorParallel:
     def send(self, command: tuple) -> None:
         self.group.broadcast_object(command)
 
+    def forward(self, plan) -> None:
+        """Send the other ranks a step's inputs; they build the same flat batch and run
+        their shards beside rank 0's."""
+        self.send(("forward", step_inputs(plan)))
+
     def dead(self) -> list[str]:
         """The ranks whose process has exited, as 'rank (exit status)'."""
         return [f"{i + 1} (exit status {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
@@ -218,37 +223,3 @@ def _call(fn) -> BaseException | None:
     except BaseException as e:  # reported by the caller
         return e
     return None
-
-
-def _worker_main(rank: int, size: int, port: int, config) -> None:
-    """A rank other than 0: load its shard, then run the commands rank 0 broadcasts."""
-    torch.set_num_threads(threads_per_rank(size))
-    group = TPGroup("127.0.0.1", port, rank, size)
-    group.connect()
-    try:
-        from sluice.engine.llm_engine import build_shard
-        shard = build_shard(config, group)
-    except Exception as e:  # reported to rank 0, which raises it
-        logger.exception("tensor-parallel rank %d failed to start", rank)
-        group.store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
-        return
-    group.store.set(f"ready{rank}", "ok")
-    runner = shard.runner
-    while True:
-        try:
-            command = group.broadcast_object()
-        except RuntimeError:  # rank 0 is gone (its connections closed): so is the engine
-            logger.warning("tensor-parallel rank %d: rank 0 went away; exiting", rank)
-            return
-        kind = command[0]
-        if kind == "forward":
-            runner.forward_only(plan_from_inputs(command[1]))
-        elif kind == "update":
-            shard.apply_weights(group.broadcast_tensors())
-        elif kind == "sleep":
-            runner.free_kv()
-        elif kind == "wake":
-            runner.allocate_kv()
-        elif kind == "stop":
-            return
-

@@ -21,17 +21,18 @@ from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
+from sluice.distributed.parallel import check_tp_size, split
+from sluice.distributed.tensor_parallel import TensorParallel
 from sluice.models.loader import iter_weights, load_hf_config, resolve_model
-from sluice.distributed.parallel import SINGLE, TPShard, check_tp_size, split
-from sluice.distributed.tensor_parallel import TensorParallel, share_weights
-from sluice.models.registry import build_model, model_arch
+from sluice.models.registry import model_arch
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
-from sluice.worker.model_runner import ModelRunner, RunnerTimings
+from sluice.worker.model_runner import RunnerTimings
+from sluice.worker.shard import build_shard
 
 logger = logging.getLogger(__name__)
 
@@ -70,52 +71,6 @@ def check_scheduling_fields(session_id, tenant, priority) -> None:
         raise ValueError("tenant must be a string")
     if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
         raise ValueError(f"priority must be an integer >= 0 (lower runs first), got {priority!r}")
-
-
-@dataclass
-class Shard:
-    """One process's model: the backend plan, the model (this rank's shard of it under
-    tensor parallelism, else all of it), loaded and prepared, and its runner."""
-    config: EngineConfig
-    backend: object
-    src: object
-    hf_config: object
-    model: object
-    runner: ModelRunner
-    max_model_len: int
-    rank: int = 0
-
-    def apply_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Write checked checkpoint tensors (check_weights) into the model and rebuild what
-        they touch, as a fresh load of them would be (the backend's update)."""
-        written = self.model.load_weights(named, strict=False)
-        self.backend.update(self.model, self.config.model.quantization, written, with_head=self.rank == 0)
-
-
-def build_shard(config: EngineConfig, group=None) -> Shard:
-    """Select the backend, build and load the model (rank group.rank's shard under tensor
-    parallelism), prepare it and allocate its KV cache."""
-    mc = config.model
-    size = config.parallel.tensor_parallel_size
-    rank = group.rank if group is not None else 0
-    # Which implementation runs each op, decided once and logged in one line; kernels are
-    # built (first start) and any mode that cannot run refused before weights load.
-    backend = select_backend(mc, config.cache, size, log=rank == 0)
-    src = resolve_model(mc.model)
-    hf_config = load_hf_config(src)
-    with torch.device(backend.device):
-        model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
-    arch = model.arch
-    backend.check_model(arch)
-    # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
-    weights = iter_weights(src, backend.dtype) if rank == 0 else None
-    model.load_weights(share_weights(group, weights) if group is not None else weights)
-    model.eval()
-    max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    backend.prepare(model, mc.quantization, max_model_len, with_head=rank == 0)
-    runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
-                         max_model_len=max_model_len)
-    return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
 
 
 def read_weights(path: str | Path, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:

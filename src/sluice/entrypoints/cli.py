@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "weights and a step's activations leave of it (default 0.9; --num-blocks overrides)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly, no CUDA graphs for decode steps")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the checkpoint's weights; dummy: random weights of the model's shape from its "
+                        "config alone, made on the device (to measure speed; default auto)")
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_NAMES),
                    help="int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
                         "w8a8: the same weights times int8-quantized activations (sluice's kernels), faster "
@@ -101,6 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                load_format=args.load_format,
                 quantization=args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,

@@ -282,3 +282,19 @@ def _iter_gguf(path: Path, dtype: torch.dtype):
 
 def read_gguf_chat_template(path: Path) -> str | None:
     return read_gguf(path)[0].get("tokenizer.chat_template")
+
+
+@torch.no_grad()
+def dummy_weights(model, seed: int = 0) -> None:
+    """Random weights in place, on each parameter's device (load_format="dummy"): norms 1,
+    biases 0, the rest normal with std 0.02 (Llama's init), so activations stay in range and
+    a step costs what it would with real weights."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            g = torch.Generator(device=p.device)
+            g.manual_seed(seed + sum(map(ord, name)))
+            p.normal_(0.0, 0.02, generator=g)

@@ -13,7 +13,6 @@ import torch
 from sluice.backends.base import FlatBatch
 from sluice.config import CacheConfig
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
-from sluice.distributed.tensor_parallel import step_inputs
 from sluice.structured.grammar import MaskFiller
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 from sluice.worker.shapes import bucket
@@ -216,7 +215,7 @@ class ModelRunner:
         masks = self.masks.start([row_entries[i].grammar for i in grammar_rows]) if grammar_rows else None
         t1 = time.perf_counter()
         if self.tp is not None:  # the other ranks build the same batch and run their shards beside this one
-            self.tp.send(("forward", step_inputs(plan)))
+            self.tp.forward(plan)
         try:
             hidden = self.backend.forward(self.model, input_ids, positions, meta, self.kv_caches)
         finally:

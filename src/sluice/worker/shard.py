@@ -1,0 +1,66 @@
+"""One process's model, built: the backend chosen, the model (this rank's shard of it under
+tensor parallelism) loaded and prepared, and its runner with the KV cache. The engine
+builds one (rank 0), and so does every other tensor-parallel rank's process
+(distributed/tp_rank.py): this module is what both import, so neither imports the other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.backends.select import select as select_backend
+from sluice.config import EngineConfig
+from sluice.distributed.parallel import SINGLE, TPShard
+from sluice.distributed.tensor_parallel import share_weights
+from sluice.models.loader import dummy_weights, iter_weights, load_hf_config, resolve_model
+from sluice.models.registry import build_model
+from sluice.worker.model_runner import ModelRunner
+
+
+@dataclass
+class Shard:
+    """One process's model: the backend plan, the model (this rank's shard of it under
+    tensor parallelism, else all of it), loaded and prepared, and its runner."""
+    config: EngineConfig
+    backend: object
+    src: object
+    hf_config: object
+    model: object
+    runner: ModelRunner
+    max_model_len: int
+    rank: int = 0
+
+    def apply_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Write checked checkpoint tensors (check_weights) into the model and rebuild what
+        they touch, as a fresh load of them would be (the backend's update)."""
+        written = self.model.load_weights(named, strict=False)
+        self.backend.update(self.model, self.config.model.quantization, written, with_head=self.rank == 0)
+
+
+def build_shard(config: EngineConfig, group=None) -> Shard:
+    """Select the backend, build and load the model (rank group.rank's shard under tensor
+    parallelism), prepare it and allocate its KV cache."""
+    mc = config.model
+    size = config.parallel.tensor_parallel_size
+    rank = group.rank if group is not None else 0
+    # Which implementation runs each op, decided once and logged in one line; kernels are
+    # built (first start) and any mode that cannot run refused before weights load.
+    backend = select_backend(mc, config.cache, size, log=rank == 0)
+    src = resolve_model(mc.model)
+    hf_config = load_hf_config(src)
+    with torch.device(backend.device):
+        model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
+    arch = model.arch
+    backend.check_model(arch)
+    if mc.load_format == "dummy":  # random weights of the model's shape, made on the device
+        dummy_weights(model, mc.seed)
+    else:
+        # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
+        weights = iter_weights(src, backend.dtype) if rank == 0 else None
+        model.load_weights(share_weights(group, weights) if group is not None else weights)
+    model.eval()
+    max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    backend.prepare(model, mc.quantization, max_model_len, with_head=rank == 0)
+    runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
+                         max_model_len=max_model_len)
+    return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
