@@ -142,6 +142,10 @@ class Backend:
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(num_layers)]
 
     # -- one step -----------------------------------------------------------------
+    def to_device(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A step's host list as a tensor on the device (the runner's ids, positions, rows)."""
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
     def attention_metadata(self, batch: FlatBatch) -> AttentionMetadata:
         raise NotImplementedError
 

@@ -97,7 +97,7 @@ class ModelRunner:
 
     # -- inputs ---------------------------------------------------------------
     def _prepare(self, plan: StepPlan):
-        bs, dev = self.block_size, self.device
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -129,9 +129,8 @@ class ModelRunner:
         logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
         meta = self.backend.attention_metadata(FlatBatch(query_start, seq_lens, start_pos, block_ids, slots,
                                                          len(input_ids), bs))
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        to_device = self.backend.to_device
+        return to_device(input_ids), to_device(positions), meta, to_device(logits_rows)
 
     def _sampling_metadata(self, entries: list[ScheduledRequest], grammar=None,
                            offsets: list[int] | None = None) -> SamplingMetadata:

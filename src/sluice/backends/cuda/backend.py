@@ -207,17 +207,21 @@ class CudaBackend(Backend):
         return blocks
 
     # -- one step -----------------------------------------------------------------
+    def to_device(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """Built in pinned host memory and copied without blocking the host (the copy is
+        queued on the stream before the step's kernels that read it)."""
+        if self.device.type != "cuda":
+            return torch.tensor(data, dtype=dtype, device=self.device)
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
     def attention_metadata(self, batch: FlatBatch) -> AttentionMetadata:
         from sluice.backends.cuda.attention import block_q_for, varlen_tiles
-        dev = self.device
         qs, seq_lens = batch.query_start, batch.seq_lens
         n = len(seq_lens)
         max_blocks = max(len(b) for b in batch.block_ids)
-        pin = dev.type == "cuda"
 
         def to_dev(data, dtype=torch.int32):
-            t = torch.tensor(data, dtype=dtype, pin_memory=pin)
-            return t.to(dev, non_blocking=True)
+            return self.to_device(data, dtype)
 
         q_lens = [qs[i + 1] - qs[i] for i in range(n)]
         longest = max(seq_lens)
