@@ -45,6 +45,30 @@ def _ieee(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of keys into a running online softmax: the scores of q against the keys at
+    `at` (those `visible`), then (max, sum, weighted values) rescaled and extended."""
+    k = tl.load(K + at, mask=kv_ok, other=0.0)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row none of whose keys is visible yet keeps m = -inf: no exp(-inf - -inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + at, mask=kv_ok, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_ks, stride_bt,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -78,25 +102,8 @@ def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, 
         blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
         at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
         kv_ok = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + at, mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        s = tl.where((j[None, :] <= pos[:, None]) & j_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row none of whose keys is visible yet keeps m = -inf: no exp(-inf - -inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + at, mask=kv_ok, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+        m_i, l_i, acc = _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -172,23 +179,7 @@ def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split
         blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
         at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
         kv_ok = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + at, mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(j_ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + at, mask=kv_ok, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, K, V, at, kv_ok, j_ok[None, :], scale, m_i, l_i, acc, IEEE)
     # The split's normalised values and its log-sum-exp (-inf for an empty split).
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
