@@ -64,14 +64,13 @@ class AttentionMetadata:
 @dataclass
 class FlatBatch:
     """What the runner knows of a step's flat batch, on the host: per request its rows
-    [query_start[i], query_start[i + 1]), its context length after the step and its block
-    ids; per row its cache slot (padded to `num_rows` with the scratch slot)."""
+    [query_start[i], query_start[i + 1]) (the last of its tokens: the first sits at
+    position seq_lens[i] minus its row count), its context length after the step and its
+    block ids; per row its cache slot (padding rows of a bucketed batch: the scratch slot)."""
     query_start: list[int]
     seq_lens: list[int]
-    start_pos: list[int]
     block_ids: list[list[int]]
     slots: list[int]
-    num_rows: int                       # rows of the (bucketed) batch the model runs
     block_size: int
 
 

@@ -103,7 +103,6 @@ class ModelRunner:
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        start_pos: list[int] = []
         block_ids: list[list[int]] = []
         logits_rows: list[int] = []
         for e in plan.scheduled:
@@ -116,7 +115,6 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
             query_start.append(end)
             seq_lens.append(e.start_pos + q)
-            start_pos.append(e.start_pos)
             block_ids.append(blocks)
             if e.needs_logits:  # the last row; with drafts, also the rows that verify them
                 logits_rows.extend(range(end - 1 - len(e.draft_token_ids), end))
@@ -127,8 +125,7 @@ class ModelRunner:
             positions.extend([0] * pad)
             slots.extend([self.scratch_slot] * pad)
         logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
-        meta = self.backend.attention_metadata(FlatBatch(query_start, seq_lens, start_pos, block_ids, slots,
-                                                         len(input_ids), bs))
+        meta = self.backend.attention_metadata(FlatBatch(query_start, seq_lens, block_ids, slots, bs))
         to_device = self.backend.to_device
         return to_device(input_ids), to_device(positions), meta, to_device(logits_rows)
 

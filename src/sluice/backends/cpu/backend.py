@@ -66,9 +66,8 @@ def _modes(quantization, kv_cache_dtype, deterministic) -> list[tuple[str, str]]
         out.append(("deterministic mode", "the default (non-deterministic) mode"))
     scheme = quant.get(quantization)
     if scheme is not None and scheme.needs_kernels:
-        torch_ok = [s.name for s in quant.SCHEMES.values() if not s.needs_kernels]
-        out.append((f"quantization={quantization!r}", " or ".join([f"quantization={n!r}" for n in torch_ok]
-                                                                  + ["none"]).replace(" or none", ", or none")))
+        torch_ok = "".join(f"quantization={s.name!r}, " for s in quant.SCHEMES.values() if not s.needs_kernels)
+        out.append((f"quantization={quantization!r}", f"{torch_ok}or none"))
     if kv_cache_dtype == "int8":
         out.append(("kv_cache_dtype='int8'", "kv_cache_dtype='auto'"))
     return out
@@ -401,13 +400,16 @@ class CpuBackend(Backend):
         prefills: list[PrefillChunk] = []
         decode_rows: list[int] = []
         decode_reqs: list[int] = []
-        for i in range(len(seq_lens)):
+        # Where the kernels take prompt chunks too, every step is one flat call and needs no
+        # per-request records: the loop below is for the SDPA path only.
+        for i in range(0 if self.flat_prefill else len(seq_lens)):
             start, end = qs[i], qs[i + 1]
             if end - start == 1:
                 decode_rows.append(start)
                 decode_reqs.append(i)
-            elif not self.flat_prefill:  # the chunk goes through SDPA, with its own record
-                seq_len, start_pos = seq_lens[i], batch.start_pos[i]
+            else:  # the chunk goes through SDPA, with its own record
+                seq_len = seq_lens[i]
+                start_pos = seq_len - (end - start)
                 mask = None
                 if start_pos > 0:
                     # Query i sits at position start_pos + i and sees keys 0..start_pos + i.

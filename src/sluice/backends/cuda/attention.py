@@ -109,11 +109,11 @@ def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, 
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def varlen_tiles(query_start: list[int], block_q: int) -> tuple[list[int], list[int]]:
-    """The (request, first query) of each tile of `block_q` query tokens, request by
-    request (host lists: the runner builds them with the step's other metadata)."""
+def varlen_tiles(query_start: list[int], block_q: int, requests=None) -> tuple[list[int], list[int]]:
+    """The (request, first query) of each tile of `block_q` query tokens of `requests`
+    (default all), request by request (host lists, built with the step's other metadata)."""
     reqs, q0s = [], []
-    for i in range(len(query_start) - 1):
+    for i in range(len(query_start) - 1) if requests is None else requests:
         for q0 in range(0, query_start[i + 1] - query_start[i], block_q):
             reqs.append(i)
             q0s.append(q0)

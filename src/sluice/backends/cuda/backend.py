@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,6 +114,12 @@ class CudaBackend(Backend):
     graphs_enabled: bool = True
     # The fraction of the GPU's memory the engine may hold (weights, activations, KV cache).
     gpu_memory_utilization: float = 0.9
+    # Query heads per KV head (prepare() reads it off the model): an attention tile's rows
+    # per query token.
+    group: int = field(default=1, init=False)
+    # The decode graphs (capture()) and their batch sizes, for the plan line.
+    _graphs: object = field(default=None, init=False, repr=False)
+    _graph_sizes: list = field(default_factory=list, init=False, repr=False)
 
     family = "cuda"
     # A GPU runs a 2,048-token step in one go.
@@ -166,8 +172,8 @@ class CudaBackend(Backend):
 
     def line(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        graphs = getattr(self, "_graph_sizes", None)
-        graphs = ("off" if not self.graphs_enabled else ",".join(map(str, graphs)) if graphs else "on")
+        graphs = ("off" if not self.graphs_enabled else ",".join(map(str, self._graph_sizes)) if self._graph_sizes
+                  else "on")
         return (f"backend: {self.device.type} dtype={dtype} linear=cublas attention=triton-varlen+splitk kv={dtype} "
                 f"norm=triton rope=triton head=cublas graphs={graphs} deterministic=off")
 
@@ -236,9 +242,8 @@ class CudaBackend(Backend):
                 plan.decode_req, plan.decode_q0 = to_dev(dec), to_dev([0] * len(dec))
             if chunks:
                 plan.block_q = block_q_for(self.group, max(q_lens[i] for i in chunks))
-                reqs, q0s = varlen_tiles(qs, plan.block_q)
-                keep = [(r, q) for r, q in zip(reqs, q0s) if q_lens[r] > 1]
-                plan.chunk_req, plan.chunk_q0 = to_dev([r for r, _ in keep]), to_dev([q for _, q in keep])
+                reqs, q0s = varlen_tiles(qs, plan.block_q, chunks)
+                plan.chunk_req, plan.chunk_q0 = to_dev(reqs), to_dev(q0s)
         return AttentionMetadata(
             slot_mapping=to_dev(batch.slots, torch.long),
             query_start_loc=to_dev(qs),
@@ -272,9 +277,8 @@ class CudaBackend(Backend):
         self._graphs = None
 
     def forward(self, model, input_ids, positions, meta: AttentionMetadata, kv_caches):
-        graphs = getattr(self, "_graphs", None)
-        if graphs is not None and meta.extra.decode_only:
-            out = graphs.run(input_ids, positions, meta)
+        if self._graphs is not None and meta.extra.decode_only:
+            out = self._graphs.run(input_ids, positions, meta)
             if out is not None:
                 return out
         return model(input_ids, positions, meta, kv_caches)
