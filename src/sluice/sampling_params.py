@@ -67,7 +67,9 @@ class SamplingParams:
     presence_penalty: float = 0.0     # additive, over output tokens
     frequency_penalty: float = 0.0    # additive per occurrence, over output tokens
     seed: int | None = None
-    max_tokens: int | None = 16       # None: up to the model's context length
+    # None: up to the model's context length; 0: nothing is generated, the prompt is only
+    # computed (and scored, with prompt_logprobs), as a scoring client asks with echo.
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -134,7 +136,7 @@ class SamplingParams:
         if self.seed is not None:
             _int("seed", self.seed, -2**63, 2**64 - 1)
         if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, 1)
+            _int("max_tokens", self.max_tokens, 0)
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")

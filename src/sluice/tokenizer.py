@@ -65,6 +65,26 @@ class Tokenizer:
             text = self._token_text[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
         return text
 
+    def info(self, max_model_len: int) -> dict:
+        """The tokenizer's configuration as vLLM's GET /tokenizer_info reports it (its
+        tokenizer_config.json: the init arguments, the class, the chat template), with each
+        special token's id beside it and the server's context length as model_max_length
+        where the tokenizer's own is larger (often 1e30: unset). Paths on this machine
+        (file names, where it was loaded from) are left out."""
+        config = {k: _jsonable(v) for k, v in (getattr(self.hf, "init_kwargs", None) or {}).items()
+                  if k not in _LOCAL_KEYS}
+        config["tokenizer_class"] = type(self.hf).__name__
+        for name, token in self.hf.special_tokens_map.items():
+            config[name] = _jsonable(token)
+            ids = self.hf.convert_tokens_to_ids(config[name])
+            config[name.removesuffix("s") + "_ids" if isinstance(ids, list) else f"{name}_id"] = ids
+        own = config.get("model_max_length")
+        config["model_max_length"] = own if isinstance(own, int) and own <= max_model_len else max_model_len
+        config["eos_token_ids"] = sorted(self.eos_token_ids)  # every id that ends a generation
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        return config
+
     @property
     def chat_template(self) -> str | None:
         return getattr(self.hf, "chat_template", None)
@@ -96,6 +116,25 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
         # The rendered template already holds its special tokens (BOS included, if any).
         return self.encode(self.apply_chat_template(messages, **template_args), add_special_tokens=False)
+
+
+# init_kwargs that name this machine's files, not the tokenizer.
+_LOCAL_KEYS = frozenset({"vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local",
+                         "local_files_only", "cache_dir", "gguf_file"})
+
+
+def _jsonable(value):
+    """init_kwargs as JSON: special tokens (AddedToken) by their text, as in
+    tokenizer_config.json's plain form; anything else not JSON by its str()."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 def _generation_config_eos(src: ModelSource):

@@ -181,6 +181,44 @@ def test_abort_during_the_prompt_frees_everything(tiny_checkpoint):
     assert_all_blocks_free(llm)
 
 
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(tiny_checkpoint, reference):
+    """A prefill-only request (max_tokens=0) goes through the scheduler like any other, in
+    a batch with generating ones and in chunks: its prompt is scored, no token sampled,
+    it finishes with "length"; its blocks serve the prefix cache afterwards."""
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=64, max_num_batched_tokens=32,
+              speculative_method=None)
+    plans = record_plans(llm)
+    prompts = random_prompts([70, 20, 1, 33], seed=9)
+    params = [SamplingParams(max_tokens=0, prompt_logprobs=2, **GREEDY), SamplingParams(max_tokens=5, **GREEDY),
+              SamplingParams(max_tokens=0, prompt_logprobs=0, **GREEDY), SamplingParams(max_tokens=0, **GREEDY)]
+    outs = llm.generate(prompts, params)
+    for ids, p, out in zip(prompts, params, outs):
+        (c,) = out.outputs
+        if p.max_tokens == 0:
+            assert c.token_ids == [] and c.text == "" and c.finish_reason == "length", c
+        else:
+            assert len(c.token_ids) == 5
+    check_prompt_logprobs(outs[0].prompt_logprobs, prompts[0], reference(prompts[0]), 2)
+    assert outs[2].prompt_logprobs == [None] and outs[3].prompt_logprobs is None
+    # No logits row was asked for a prefill-only request, and its prompt took > 1 chunk.
+    zero = {outs[i].request_id for i in (0, 2, 3)}
+    assert not any(e.needs_logits for plan in plans for e in plan.scheduled if e.request_id in zero)
+    assert sum(1 for plan in plans for e in plan.scheduled if e.request_id == outs[0].request_id) >= 3
+    assert_all_blocks_free(llm)
+    # Its full blocks were cached: a request sharing them reuses them.
+    again = llm.generate([prompts[0][:64] + [5, 6]], SamplingParams(max_tokens=1, **GREEDY))[0]
+    assert again.num_cached_tokens == 64
+    # It may fill the context (nothing is generated), but not pass it; a negative count stays refused.
+    limit = llm.engine.max_model_len
+    full = llm.generate([[7] * limit], SamplingParams(max_tokens=0, **GREEDY))[0]
+    assert full.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate([[7] * (limit + 1)], SamplingParams(max_tokens=0, **GREEDY))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, "2"])
 def test_bad_prompt_logprobs_name_the_field(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):

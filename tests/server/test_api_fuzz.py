@@ -25,6 +25,7 @@ def fuzz_server(tiny_checkpoint):
 
 OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
               "GET /version", "GET /metrics", "POST /reset_prefix_cache", "POST /tokenize", "POST /detokenize",
+              "GET /tokenizer_info",
               "GET /v1/models/{model_id}"]
 
 

@@ -120,6 +120,8 @@ def test_completions_and_chat_through_the_router(dp):
                         headers={"Authorization": "Bearer sekret"}).json()["tokens"]
     assert httpx.post(f"{router.url}/detokenize", json={"tokens": tokens},
                       headers={"Authorization": "Bearer sekret"}).json()["prompt"] == "The weather"
+    info = httpx.get(f"{router.url}/tokenizer_info", headers={"Authorization": "Bearer sekret"})
+    assert info.status_code == 200 and info.json()["eos_token"]
     lines = httpx.get(f"{router.url}/metrics").text.splitlines()
     for i in (0, 1):  # every replica's series (those it has set so far), with its label
         assert any(ln.startswith("sluice_weight_version_info{") and f'replica="{i}"' in ln for ln in lines)

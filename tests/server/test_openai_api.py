@@ -251,6 +251,33 @@ def test_tokenize_and_detokenize(server):
     assert keyed.status_code == 200
 
 
+def test_tokenizer_info_as_lm_eval_reads_it(server):
+    """vLLM's GET /tokenizer_info: lm-eval's remote tokenizer takes the server's tokenizer
+    when it answers with the special tokens (and /tokenize works); its chat template
+    renders as the server's does."""
+    import jinja2.sandbox
+    tok = server.llm.tokenizer
+    r = httpx.get(f"{server.url}/tokenizer_info")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["tokenizer_class"] == type(tok.hf).__name__
+    assert info["eos_token"] == tok.hf.eos_token and info["eos_token_id"] == tok.hf.eos_token_id
+    assert info["bos_token"] == tok.hf.bos_token and info["bos_token_id"] == tok.hf.bos_token_id
+    assert set(info["eos_token_ids"]) == tok.eos_token_ids
+    assert info["model_max_length"] == server.llm.max_model_len
+    assert not any(k in info for k in ("name_or_path", "vocab_file", "tokenizer_file"))
+    # lm-eval's RemoteTokenizer: eos_token_id is /tokenize of eos_token, no special tokens added.
+    eos = httpx.post(f"{server.url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [tok.hf.eos_token_id]
+    messages = [{"role": "user", "content": "hi"}]
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        info["chat_template"])
+    assert template.render(messages=messages, add_generation_prompt=True) == tok.apply_chat_template(messages)
+    assert httpx.get(f"{server.keyed_url}/tokenizer_info").status_code == 401
+    keyed = httpx.get(f"{server.keyed_url}/tokenizer_info", headers={"Authorization": "Bearer sekret"})
+    assert keyed.status_code == 200 and keyed.json() == info
+
+
 def test_continuous_usage_stats(client):
     """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens so far."""
     opts = {"include_usage": True, "continuous_usage_stats": True}

@@ -1,6 +1,8 @@
 """prompt_logprobs (vLLM's extension) and echo + logprobs through the `openai` client."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -95,7 +97,6 @@ def test_chat_prompt_logprobs_at_response_level(server):
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": "many"}),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": -2}),
@@ -110,3 +111,104 @@ def test_stream_accepts_prompt_logprobs_zero_as_vllm_does(server):
                                              "prompt_logprobs": 0})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     wait_all_blocks_free(server.llm)
+
+
+def lm_eval_loglikelihood(choice: dict, ctxlen: int, generated: int) -> tuple[float, bool]:
+    """What lm-eval's local-completions does with a choice: the continuation's logprobs
+    summed (the tokens after the context, less the generated ones), and whether each was
+    the top choice."""
+    lp = choice["logprobs"]
+    end = len(lp["token_logprobs"]) - generated
+    tokens, logprobs, tops = lp["tokens"][ctxlen:end], lp["token_logprobs"][ctxlen:end], lp["top_logprobs"][ctxlen:end]
+    return sum(logprobs), all(max(top, key=top.get) == tok for tok, top in zip(tokens, tops))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_lm_eval_loglikelihood_payload_matches_transformers(server, reference, max_tokens):
+    """lm-eval's loglikelihood request as it sends it (a batch of token-id prompts, echo,
+    logprobs 1, greedy, a seed), and the scoring scripts' max_tokens 0: the continuation's
+    summed logprob equals transformers' in float32."""
+    tok = server.llm.tokenizer
+    pairs = [("The capital of France is", " Paris"), ("One, two, three,", " four, five"),
+             ("Water boils at", " one hundred degrees")]
+    prompts, ctxlens = [], []
+    for ctx, cont in pairs:
+        ctx_ids = tok.encode(ctx)
+        prompts.append(ctx_ids + tok.encode(cont, add_special_tokens=False))
+        ctxlens.append(len(ctx_ids))
+    r = post(server.url, "/v1/completions", {"model": MODEL, "prompt": prompts, "temperature": 0,
+                                             "max_tokens": max_tokens, "logprobs": 1, "seed": 1234, "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for ids, ctxlen, choice in zip(prompts, ctxlens, body["choices"]):
+        ref = reference(ids)
+        want = sum(float(ref[p - 1, ids[p]]) for p in range(ctxlen, len(ids)))
+        got, greedy = lm_eval_loglikelihood(choice, ctxlen, max_tokens)
+        assert abs(got - want) <= 1e-4, (got, want)
+        assert greedy == all(int(ref[p - 1].argmax()) == ids[p] for p in range(ctxlen, len(ids)))
+        assert len(choice["logprobs"]["tokens"]) == len(ids) + max_tokens
+        if max_tokens == 0:
+            assert choice["finish_reason"] == "length" and choice["text"] == tok.decode(ids)
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    assert body["usage"]["completion_tokens"] == max_tokens * len(prompts)
+    wait_all_blocks_free(server.llm)
+
+
+def test_max_tokens_0_with_echo_streams_the_prompt_alone(server, reference):
+    ids = server.llm.tokenizer.encode(PROMPT)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 1,
+            "stream": True, "stream_options": {"include_usage": True}}
+    r = post(server.url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == PROMPT
+    assert choices[-1]["finish_reason"] == "length"
+    lp = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+    ref = reference(ids)
+    assert len(lp) == len(ids) and lp[0] is None
+    assert all(abs(lp[p] - float(ref[p - 1, ids[p]])) <= 1e-5 for p in range(1, len(ids)))
+    plp = [c["prompt_logprobs"] for c in choices if c.get("prompt_logprobs")]
+    assert len(plp) == 1 and len(plp[0]) == len(ids)
+    assert events[-1]["usage"]["completion_tokens"] == 0 and events[-1]["usage"]["prompt_tokens"] == len(ids)
+    wait_all_blocks_free(server.llm)
+
+
+def test_streamed_prompt_logprobs_equal_the_response_s(client, server):
+    """In a stream, each choice's prompt logprobs come once (completions: in the choice's
+    chunk; chat: at the chunk's top level, as the response has them), equal to the
+    non-streamed ones, n > 1 too."""
+    kwargs = dict(model=MODEL, prompt=PROMPT, n=2, max_tokens=3, temperature=0)
+    want = client.completions.create(**kwargs, extra_body={"prompt_logprobs": 2, **GREEDY}).choices[0].prompt_logprobs
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"prompt_logprobs": 2, **GREEDY}))
+    got = {c.choices[0].index: c.choices[0].prompt_logprobs for c in chunks
+           if c.choices and getattr(c.choices[0], "prompt_logprobs", None)}
+    assert got == {0: want, 1: want}
+    messages = [{"role": "user", "content": "Say hello"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "n": 2, "prompt_logprobs": 1, **GREEDY}
+    whole = post(server.url, "/v1/chat/completions", body).json()
+    r = post(server.url, "/v1/chat/completions", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    sent = [(e["choices"][0]["index"], e["prompt_logprobs"]) for e in events if e.get("prompt_logprobs")]
+    assert sorted(i for i, _ in sent) == [0, 1] and all(p == whole["prompt_logprobs"] for _, p in sent)
+    wait_all_blocks_free(server.llm)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "stream": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+])
+def test_max_tokens_0_only_with_echo(server, path, body, param):
+    r = post(server.url, path, {"model": MODEL, **body})
+    assert_error(r, 400, param)
+    if body.get("max_tokens") == 0 and "echo" not in body and path == "/v1/completions":
+        assert "echo" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200

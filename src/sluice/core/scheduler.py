@@ -364,7 +364,9 @@ class Scheduler:
 
     def _plan_entry(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
-        needs_logits = start + n == req.num_tokens
+        # A request that generates nothing (max_tokens 0) needs no logits: its prompt's
+        # last row predicts a token nobody asked for.
+        needs_logits = start + n == req.num_tokens and req.max_tokens > 0
         banned: list[int] = []
         if needs_logits and req.num_output_tokens < req.params.min_tokens:
             banned = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
@@ -431,6 +433,11 @@ class Scheduler:
             if plp is not None and req.prompt_logprobs is not None:
                 self._store_prompt_logprobs(req, plp)
             if not entry.needs_logits:
+                if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
+                    # Prefill-only (a prompt scored, nothing generated): done with its prompt.
+                    req.status = RequestStatus.FINISHED_LENGTH
+                    self._remove_finished(req)
+                    finished.append(req)
                 continue
             tokens = [result.sampled[entry.request_id]]
             if entry.draft_token_ids:

@@ -240,10 +240,14 @@ class LLMEngine:
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len
-        if prompt_len >= limit:
+        max_tokens = params.max_tokens
+        if max_tokens == 0:  # the prompt is only computed: it may fill the context
+            if prompt_len > limit:
+                raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {limit}: "
+                                 f"{prompt_len - limit} tokens too long")
+        elif prompt_len >= limit:
             raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {limit}: "
                              f"{prompt_len - limit + 1} tokens too long (at least one must be generated)")
-        max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:

@@ -89,6 +89,9 @@ class OutputProcessor:
             state = self.samples[req.request_id]
             self._detokenize(req, state, update.num_new_tokens.get(req.request_id, 1))
             touched[state.parent_id] = None
+        for req in update.finished:  # a prefill-only request ends without a new token
+            if req.request_id in self.samples:
+                touched.setdefault(self.samples[req.request_id].parent_id, None)
         for req in self._aborted:
             if req.request_id in self.samples:
                 touched[self.samples[req.request_id].parent_id] = None

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
-DELETE), DELETE /v1/sessions/{id}, GET /v1/models[/{id}], POST /tokenize and /detokenize, /health, /version, /metrics; with
+DELETE), DELETE /v1/sessions/{id}, GET /v1/models[/{id}], POST /tokenize and /detokenize, GET /tokenizer_info, /health, /version, /metrics; with
 --enable-weight-updates the weight and sleep routes of entrypoints/openai/weights.py. Errors are OpenAI-shaped JSON with a 4xx for every bad body; no
 stack trace or internal exception text ever reaches a client, and an unexpected error
 is a 500 on a connection that stays usable. A body over max_request_bytes is refused
@@ -334,6 +334,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         check_key(raw)
         check_model(req.model)
         return await serving.detokenize(req, engine.engine.runner.vocab_size)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request):
+        # vLLM's: what a client needs to tokenize as the server does (lm-eval's remote
+        # tokenizer reads the special tokens and the chat template from it).
+        check_key(raw)
+        return serving.tokenizer_info(engine.engine.max_model_len)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):

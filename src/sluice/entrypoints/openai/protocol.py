@@ -310,6 +310,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: in a choice's first chunk
+    prompt_logprobs: PromptLogprobs | None = None  # in a choice's first chunk, as the response has them
     # sluice extension: the weights that computed it (a count of updates, or the
     # weight_version a trainer gave its update: POST /v1/weights/update).
     weight_version: str | None = None

@@ -143,16 +143,12 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
 
 
 def check_prompt_logprobs(req) -> int | None:
-    """As vLLM: in [0, 20] (20 as for logprobs), and not with stream=true when > 0. Returns
-    what the engine must compute: nothing when streaming, where prompt logprobs are not sent."""
+    """As vLLM: in [0, 20] (20 as for logprobs). Streamed too: a choice's first chunk
+    carries them (the prompt is complete before its first token)."""
     k = req.prompt_logprobs
-    if k is None:
-        return None
-    if not 0 <= k <= 20:
+    if k is not None and not 0 <= k <= 20:
         raise APIError(400, f"prompt_logprobs must be in [0, 20], got {k}", param="prompt_logprobs")
-    if req.stream and k > 0:
-        raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
-    return None if req.stream else k
+    return k
 
 
 def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None, prompt_ids: list[int],
@@ -203,7 +199,14 @@ class _Progress:
     tokens: int = 0
     echo_len: int = 0   # characters of echoed prompt before the completion text
     sent_role: bool = False
+    sent_prompt_logprobs: bool = False
     done: bool = False
+
+
+def _complete(prompt_logprobs) -> bool:
+    """Every prompt position scored (the one sample of n that scores the prompt may
+    still be computing it when another sends its first token)."""
+    return prompt_logprobs is not None and all(e is not None for e in prompt_logprobs[1:])
 
 
 class OpenAIServing:
@@ -213,6 +216,7 @@ class OpenAIServing:
         self.limits = limits or ServingLimits()
         self.tokenizer = engine.engine.tokenizer
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
+        self._tokenizer_info: dict | None = None
 
     def _deadline(self) -> float | None:
         t = self.limits.request_timeout
@@ -327,6 +331,9 @@ class OpenAIServing:
         self._check_n(req.n, req.best_of)
         if req.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is valid only with echo=true, which returns "
+                                "the prompt (with its logprobs, if asked) as the completion", param="max_tokens")
         prompt_lp = check_prompt_logprobs(req)
         if req.echo and req.logprobs is not None and (prompt_lp is None or prompt_lp < req.logprobs):
             prompt_lp = req.logprobs  # echoed prompt tokens get their real logprobs
@@ -393,8 +400,8 @@ class OpenAIServing:
                     if not delta and not c.finished and not new_tokens:
                         continue
                     lp = None
-                    if req.logprobs is not None and new_tokens:
-                        lp = self._completion_logprobs(c.logprobs[p.tokens:], new_tokens, 0,
+                    if req.logprobs is not None and (new_tokens or echo):  # (max_tokens 0: the echo alone)
+                        lp = self._completion_logprobs((c.logprobs or [])[p.tokens:], new_tokens, 0,
                                                        p.echo_len + p.text_len, req.logprobs)
                         if echo:
                             lp = _concat_logprobs(self._completion_logprobs(
@@ -409,9 +416,15 @@ class OpenAIServing:
                                    prompt_token_ids=list(started.prompt_ids[pi]) if first_chunk else None)
                     so_far = (usage(len(started.prompt_ids[pi]), len(c.token_ids), out.num_cached_tokens)
                               if continuous else None)
+                    plp = None
+                    if req.prompt_logprobs is not None and not p.sent_prompt_logprobs \
+                            and (c.finished or _complete(out.prompt_logprobs)):
+                        p.sent_prompt_logprobs = True
+                        plp = prompt_logprobs_json(out.prompt_logprobs, started.prompt_ids[pi], req.prompt_logprobs)
                     chunk = CompletionResponse(id=cid, model=self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason, **ids)], weight_version=out.weight_version, usage=so_far)
+                        stop_reason=c.stop_reason, prompt_logprobs=plp, **ids)],
+                        weight_version=out.weight_version, usage=so_far)
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
@@ -466,6 +479,11 @@ class OpenAIServing:
         strs = self.tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
+    def tokenizer_info(self, max_model_len: int) -> dict:
+        if self._tokenizer_info is None:  # fixed for the server's life
+            self._tokenizer_info = self.tokenizer.info(max_model_len)
+        return self._tokenizer_info
+
     async def detokenize(self, req: DetokenizeRequest, vocab_size: int) -> dict:
         if any(not 0 <= t < vocab_size for t in req.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", param="tokens")
@@ -485,6 +503,10 @@ class OpenAIServing:
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens == 0:
+            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"{field} must be at least 1 (to score a prompt without generating, use "
+                                f"/v1/completions with echo=true and max_tokens 0)", param=field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         spec, spec_field = structured_outputs(req)
         tools = ChatTools.of(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -555,10 +577,11 @@ class OpenAIServing:
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         so_far: UsageInfo | None = None  # continuous_usage_stats: the current choice's
 
-        def emit(out: RequestOutput, choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
+        def emit(out: RequestOutput, choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None,
+                 prompt_logprobs=None) -> str:
             return sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[choice],
                                            weight_version=out.weight_version, prompt_token_ids=prompt_token_ids,
-                                           usage=so_far))
+                                           prompt_logprobs=prompt_logprobs, usage=so_far))
         try:
             async for _, out in _merge(started.streams):
                 if out is None:
@@ -571,11 +594,18 @@ class OpenAIServing:
                         continue
                     if continuous:
                         so_far = usage(len(started.prompt_ids[0]), len(c.token_ids), out.num_cached_tokens)
+                    plp = None  # the prompt's logprobs: with the role, or once complete
+                    if req.prompt_logprobs is not None and not p.sent_prompt_logprobs \
+                            and (c.finished or _complete(out.prompt_logprobs)):
+                        p.sent_prompt_logprobs = True
+                        plp = prompt_logprobs_json(out.prompt_logprobs, started.prompt_ids[0], req.prompt_logprobs)
                     if not p.sent_role:
                         p.sent_role = True
                         yield emit(out, ChatStreamChoice(
                             index=c.index, delta=DeltaMessage(role="assistant", content="")),
-                            list(started.prompt_ids[0]) if req.return_token_ids else None)
+                            list(started.prompt_ids[0]) if req.return_token_ids else None, plp)
+                    elif plp is not None:
+                        yield emit(out, ChatStreamChoice(index=c.index, delta=DeltaMessage()), prompt_logprobs=plp)
                     delta = c.text[p.text_len:]
                     new_tokens = c.token_ids[p.tokens:]
                     lp = None

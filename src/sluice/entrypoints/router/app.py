@@ -425,6 +425,10 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
             return await any_replica(raw, "POST", path, await json_body(raw))
         app.add_api_route(path, tokenizer_route, methods=["POST"])
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request):
+        return await any_replica(raw, "GET", "/tokenizer_info")
+
     @app.get("/health")
     async def health():
         if not replicas.healthy():
