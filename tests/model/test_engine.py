@@ -317,7 +317,7 @@ def test_abort_frees_everything_and_others_continue(tiny_llm):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=-1), "max_tokens"),
     (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(temprature=0.5), "temprature"),
     (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
     (dict(logit_bias={"5": 1}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
