@@ -8,7 +8,7 @@ JSON.
       greedy tokens on the GPU against the CPU engine's on the same float32 checkpoint;
   (b) a SmolLM2-135M-shaped model (the default model's shape), served: c1 / c32 / c128;
   (c) a Llama-3.1-8B-shaped model, offline and served: c1 / c32 / c128, 512-token prompts,
-      256-token outputs;
+      256-token outputs; offline also with asynchronous scheduling off at c1 / c32;
   (d) transformers' continuous batching on the 8B shape: c1 and c32.
 
 Each model folder holds a config.json and the tokenizer files (`--tokenizer-dir`, e.g. the
@@ -97,15 +97,16 @@ def check_correctness(args, out: Path) -> dict:
 
 # -- (b), (c) sluice ----------------------------------------------------------------
 def offline(args, folder: Path, concurrencies: list[int], requests: list[int], prompt_len: int,
-            output_len: int) -> dict:
+            output_len: int, async_scheduling: bool = True) -> dict:
     """One engine (its kernels compiled and graphs captured once); for each concurrency c a
-    closed loop that keeps c requests in flight until `requests` are done."""
+    closed loop that keeps c requests in flight until `requests` are done. async_scheduling:
+    the overlap loop (the GPU's default) or the plain one, to measure what it is worth."""
     import torch
 
     from sluice import LLMEngine, SamplingParams
     engine = LLMEngine.from_kwargs(model=str(folder), device=args.device, load_format="dummy",
                                    max_num_seqs=max(concurrencies), speculative_method=None,
-                                   max_model_len=prompt_len + output_len + 16)
+                                   max_model_len=prompt_len + output_len + 16, async_scheduling=async_scheduling)
     rng = random.Random(1)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warm", [rng.randrange(3, 40000) for _ in range(prompt_len)], params.clone(max_tokens=4))
@@ -250,6 +251,10 @@ def main() -> int:
     if "c" not in skip:
         report["llama8b_offline"] = offline(args, folder, cs, reqs, p_len, o_len)
         print(json.dumps(report["llama8b_offline"]), flush=True)
+        # The overlap loop's worth: the same closed loops at c1 and c32 with it off.
+        report["llama8b_offline_sync"] = offline(args, folder, cs[:2], reqs[:2], p_len, o_len,
+                                                 async_scheduling=False)
+        print(json.dumps(report["llama8b_offline_sync"]), flush=True)
         report["llama8b_served"] = served(args, folder, cs, reqs, p_len, o_len, args.out, "llama8b")
         print(json.dumps(report["llama8b_served"]), flush=True)
     if "d" not in skip and not args.quick:
@@ -271,9 +276,10 @@ def print_table(report: dict) -> None:
                 continue
             print(f"| {key} | {r['concurrency']} | {r['output_tok_per_s']:.1f} | {r['ttft_p50_s'] or 0:.3f} s | "
                   f"{1e3 * (r['tpot_p50_s'] or 0):.2f} ms |")
-    for c, r in report.get("llama8b_offline", {}).items():
-        if c != "plan":
-            print(f"| llama8b_offline | {c} | {r['output_tok_per_s']:.1f} | | |")
+    for key in ("llama8b_offline", "llama8b_offline_sync"):
+        for c, r in report.get(key, {}).items():
+            if c != "plan":
+                print(f"| {key} | {c} | {r['output_tok_per_s']:.1f} | | |")
     for r in report.get("transformers_cb", []):
         print(f"| transformers_cb | {r['concurrency']} | {r['output_tok_per_s']:.1f} | | |")
     if "correctness" in report:

@@ -4,7 +4,8 @@
 # .whl/ (fastapi, uvicorn, pydantic, llguidance, gguf, ...: see the device tool's README for
 # how to download them here), then runs benchmarks/gpu_check.py: the CUDA tests on the GPU,
 # the SmolLM2-shaped model served at c1/c32/c128, a Llama-3.1-8B-shaped model with random
-# bf16 weights offline and served at c1/c32/c128 (512-token prompts, 256 outputs), and HF
+# bf16 weights offline (asynchronous scheduling on, and off at c1/c32) and served at
+# c1/c32/c128 (512-token prompts, 256 outputs), and HF
 # transformers' continuous batching on the same shape; one table, ~8 minutes.
 #   bash benchmarks/gpu_check.sh            # TOKENIZER defaults to .gpu/tokenizer
 # Results: $OUT (or benchmarks/results/gpu_check)/report.json and the printed table.

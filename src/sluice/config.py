@@ -106,6 +106,10 @@ class SchedulerConfig:
     # A step-time (so TPOT) target in ms: each step's token budget is sized from measured
     # step times to hold it (core/latency_target.py); None: the fixed budget.
     target_tpot_ms: float | None = None
+    # Plan step N + 1 and turn step N - 1's tokens into output while step N runs
+    # (LLMEngine's overlap loop; vLLM's async scheduling, SGLang's overlap scheduler).
+    # None: where the device's backend says it pays (a GPU: yes; a CPU: no).
+    async_scheduling: bool | None = None
 
 
 @dataclass

@@ -66,6 +66,10 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Asynchronous scheduling: tokens a step still in flight samples for it (0 or 1).
+        # That step's tokens already count as computed, and the pending token is the next
+        # step's input, which the runner takes from the in-flight step's output on the device.
+        self.num_pending = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # It ended on an EOS or stop token id, which is in its tokens but not its text.

@@ -41,6 +41,7 @@ def test_triton_path_gives_the_torch_paths_greedy_tokens(tiny_checkpoint, cuda_f
               speculative_method=None)
     assert llm.engine.backend.line().startswith(f"backend: {cuda_family} dtype=float32 linear=cublas "
                                                 "attention=triton-varlen+splitk")
+    assert llm.engine.overlap  # the GPU's default: asynchronous scheduling
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert outs[-1].num_cached_tokens == 32

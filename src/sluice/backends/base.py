@@ -89,6 +89,10 @@ class Backend:
     ops = None
     # The step budget where the settings name none (tokens a step).
     default_max_num_batched_tokens = 2048
+    # Whether planning step N while step N - 1 runs pays by default (asynchronous
+    # scheduling): where the device computes while the host plans, yes; where the host is
+    # the device (a CPU), a step has finished when launch returns and nothing overlaps.
+    overlap_pays = False
 
     # -- chosen before anything loads ----------------------------------------------
     @classmethod

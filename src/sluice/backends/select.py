@@ -68,7 +68,14 @@ def check_config(config) -> None:
     cls = family(m.device)
     if s.max_num_batched_tokens is None:
         s.max_num_batched_tokens = cls.default_max_num_batched_tokens
-    cls.check_settings(m, c, config.parallel.tensor_parallel_size)
+    tp = config.parallel.tensor_parallel_size
+    if s.async_scheduling is None:
+        s.async_scheduling = cls.overlap_pays and tp == 1
+    elif s.async_scheduling and tp > 1:
+        raise ValueError("async_scheduling needs tensor_parallel_size=1: the other ranks build each step's batch "
+                         "from its token ids, which a step planned ahead does not have yet; what works: "
+                         "async_scheduling=False")
+    cls.check_settings(m, c, tp)
 
 
 def select(model_config, cache_config, tensor_parallel_size: int = 1, log: bool = True):

@@ -164,15 +164,27 @@ class KVCacheManager:
             # Name the blocks this step fills. Their K/V is written in this step's forward
             # pass before any layer reads it, so a request admitted later in the same step
             # may already share them.
-            full = (request.num_computed_tokens + prefix.num_tokens + num_new_tokens) // self.block_size
-            done = self.req_num_named.get(request.request_id, 0)
-            if full > done:
-                hashes = self._hashes(request, full)
-                for i in range(done, full):
-                    if blocks[i].block_hash is None:
-                        self.pool.cache(blocks[i], hashes[i])
-                self.req_num_named[request.request_id] = full
+            self._name(request, request.num_computed_tokens + prefix.num_tokens + num_new_tokens)
         return KVAllocation(tuple(b.block_id for b in prefix.blocks), tuple(b.block_id for b in new))
+
+    def _name(self, request: Request, num_filled: int) -> None:
+        """Give the request's full blocks among its first num_filled tokens their hash.
+        Only blocks whose every token is known: a token still being sampled by a step in
+        flight (asynchronous scheduling) names its block when it is appended (name_known)."""
+        full = min(num_filled, request.num_tokens) // self.block_size
+        done = self.req_num_named.get(request.request_id, 0)
+        if full > done:
+            blocks = self.req_blocks[request.request_id]
+            hashes = self._hashes(request, full)
+            for i in range(done, full):
+                if blocks[i].block_hash is None:
+                    self.pool.cache(blocks[i], hashes[i])
+            self.req_num_named[request.request_id] = full
+
+    def name_known(self, request: Request) -> None:
+        """Name the blocks a newly appended token completed (asynchronous scheduling)."""
+        if self._hashing(request) and request.request_id in self.req_blocks:
+            self._name(request, request.num_computed_tokens)
 
     def computed_blocks(self, request: Request) -> list[KVBlock]:
         """The leading run of the request's full blocks whose K/V is computed and which are

@@ -32,6 +32,15 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             the tenant with the highest counter is preempted.
 Sessions (pinned KV between calls) work under every policy.
 
+Asynchronous scheduling (SchedulerConfig.async_scheduling; the engine's overlap loop):
+step N is planned while step N - 1 still runs. advance(plan) counts a launched step's
+tokens as computed at once and gives each request it samples for one pending token, so the
+next plan already has that request's decode, whose input the runner takes from step N - 1's
+output on the device; update(plan, result, advanced=True) later appends the real tokens and
+runs the stop checks. A request that stops on that token has one wasted row in step N,
+dropped when step N is processed. Who needs its tokens on the host before its next step
+(drafts, grammars, penalties) makes the engine finish the in-flight step first.
+
 Speculative decoding (spec/): before the decodes are planned, the speculator says which
 decoding requests verify drafted tokens this step; such a request puts its last token and
 the drafts in the step (under the same budget, with KV slots for the drafts), and update()
@@ -78,6 +87,9 @@ class ScheduledRequest:
     # Speculative decoding: the drafted tokens at the end of token_ids, to verify. Logits
     # are due at the last 1 + len(draft_token_ids) positions.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Asynchronous scheduling: the last of token_ids is the one the step in flight samples
+    # for this request (a placeholder here; the runner takes it from that step's output).
+    pending_input: bool = False
 
 
 @dataclass
@@ -122,6 +134,11 @@ class StepUpdate:
     finished: list[Request]         # requests that left the batch this step
     # How many tokens each of with_new_token got, where more than one (speculation).
     num_new_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def _todo(req: Request) -> int:
+    """Tokens of the request still to compute, its pending one included."""
+    return req.num_tokens + req.num_pending - req.num_computed_tokens
 
 
 class Scheduler:
@@ -288,17 +305,21 @@ class Scheduler:
 
         # Decodes first (stable sort keeps admission order within each group), so a
         # long prompt chunk never stalls tokens of requests already generating.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: _todo(r) > 1)
         drafts: dict[str, list[int]] = {}
         if self.spec is not None:
-            decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
+            # (A request whose last token is still being sampled has nothing to draft from.)
+            decodes = [r for r in order if _todo(r) == 1 and not r.num_pending]
             drafts = self.spec.drafts(decodes[:budget], budget)
         for req in order:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
+                                    or req.num_tokens + req.num_pending >= self.max_model_len):
+                continue  # the token in flight is its last: it ends when that step is processed
+            n = min(_todo(req), budget)
             draft = drafts.get(req.request_id)
             if draft:
                 # Verifying drafts never preempts anyone: without room, or budget, it decodes.
@@ -364,11 +385,12 @@ class Scheduler:
 
     def _plan_entry(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
+        known = req.num_tokens  # tokens on the host; a pending one follows them
         # A request that generates nothing (max_tokens 0) needs no logits: its prompt's
         # last row predicts a token nobody asked for.
-        needs_logits = start + n == req.num_tokens and req.max_tokens > 0
+        needs_logits = start + n == known + req.num_pending and req.max_tokens > 0
         banned: list[int] = []
-        if needs_logits and req.num_output_tokens < req.params.min_tokens:
+        if needs_logits and req.num_output_tokens + req.num_pending < req.params.min_tokens:
             banned = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
         prompt_lp = None
         if req.needs_prompt_logprobs:
@@ -377,9 +399,11 @@ class Scheduler:
             hi = min(start + n, req.num_prompt_tokens - 1)
             if lo < hi:
                 prompt_lp = (lo, hi)
+        pending = start + n > known
+        tokens = req.token_ids_slice(start, min(start + n, known)) + [0] * pending
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + n) + (draft or []),
+            token_ids=tokens + (draft or []),
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             needs_logits=needs_logits,
@@ -390,7 +414,34 @@ class Scheduler:
             prompt_logprob_positions=prompt_lp,
             grammar=req.grammar if needs_logits else None,
             draft_token_ids=draft or [],
+            pending_input=pending,
         )
+
+    # -- asynchronous scheduling ----------------------------------------------
+    def advance(self, plan: StepPlan) -> None:
+        """A launched step's tokens count as computed now, and each request it samples
+        for has a token pending, so that the next plan can be made before this step's
+        tokens reach the host. Plans with drafts are never advanced (how many tokens a
+        verification keeps is known only from its result)."""
+        for e in plan.scheduled:
+            req = self.requests[e.request_id]
+            req.num_computed_tokens += len(e.token_ids)
+            if e.needs_logits:
+                req.num_pending += 1
+
+    def unadvance(self, plan: StepPlan, request_ids=None) -> None:
+        """advance() undone for a step that failed (for these of its requests; default
+        all): its tokens were never computed, so the blocks it would have filled must not
+        stay named in the prefix cache."""
+        for e in plan.scheduled:
+            if request_ids is not None and e.request_id not in request_ids:
+                continue
+            req = self.requests.get(e.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = max(0, req.num_computed_tokens - len(e.token_ids))
+            if e.needs_logits:
+                req.num_pending = max(0, req.num_pending - 1)
 
     def preempt_all(self) -> int:
         """Preempt every running request (a weight update: their KV was computed with the
@@ -409,20 +460,27 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, plan: StepPlan, result: StepResult) -> StepUpdate:
-        """Account computed tokens, append sampled ones, run token-level stop checks and
-        free the blocks of every request that finished."""
+    def update(self, plan: StepPlan, result: StepResult, advanced: bool = False) -> StepUpdate:
+        """Account computed tokens (unless advance() did), append sampled ones, run
+        token-level stop checks and free the blocks of every request that finished."""
         with_new_token: list[Request] = []
         finished: list[Request] = []
         num_new: dict[str, int] = {}
         step_drafted = step_accepted = 0
         for entry in plan.scheduled:
             req = self.requests.get(entry.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            if req is None:
                 continue  # aborted while the step ran
+            if req.status is not RequestStatus.RUNNING:
+                # Preempted by the plan made while this step ran: its token is still its
+                # own (computed from its whole context), and its recompute includes it.
+                if not (advanced and entry.needs_logits and req.status is RequestStatus.PREEMPTED
+                        and req.num_pending):
+                    continue
             # Drafted tokens are computed only as far as they were accepted (below).
             n = len(entry.token_ids) - len(entry.draft_token_ids)
-            req.num_computed_tokens += n
+            if not advanced:
+                req.num_computed_tokens += n
             req.served_tokens += n
             if req.session is not None:
                 req.session.service += n
@@ -433,7 +491,7 @@ class Scheduler:
             if plp is not None and req.prompt_logprobs is not None:
                 self._store_prompt_logprobs(req, plp)
             if not entry.needs_logits:
-                if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
+                if req.max_tokens == 0 and entry.start_pos + n >= req.num_tokens:
                     # Prefill-only (a prompt scored, nothing generated): done with its prompt.
                     req.status = RequestStatus.FINISHED_LENGTH
                     self._remove_finished(req)
@@ -442,6 +500,9 @@ class Scheduler:
             tokens = [result.sampled[entry.request_id]]
             if entry.draft_token_ids:
                 tokens += result.accepted.get(entry.request_id, [])
+            if advanced:
+                req.num_pending -= 1
+            preempted = req.status is RequestStatus.PREEMPTED
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             with_new_token.append(req)
@@ -455,9 +516,13 @@ class Scheduler:
                         req.session.service += 1
                 self._append(req, sampled)
                 if req.check_stop(self.max_model_len):
+                    if preempted:
+                        self.waiting.remove(req)
                     self._remove_finished(req)
                     finished.append(req)
                     break
+            if advanced and req.status is RequestStatus.RUNNING:
+                self.kv.name_known(req)  # a block its new token completed
             if entry.draft_token_ids:
                 # Accepted: the drafts it kept (up to where a stop ended it, if one did).
                 step_drafted += len(entry.draft_token_ids)

@@ -1,9 +1,16 @@
-"""LLMEngine: the synchronous engine the offline API and the server drive.
+"""LLMEngine: the engine the offline API and the server drive, one step per call.
 
     plan = scheduler.schedule()         who runs this step, how many tokens each
     result = runner.execute(plan)       one forward over a flat batch, then sampling
     update = scheduler.update(...)      append tokens, stop checks, free blocks
     outputs.process(update)             detokenize, stop strings, RequestOutputs
+
+With asynchronous scheduling (SchedulerConfig.async_scheduling, on by default on a GPU)
+a step overlaps the device's work with the host's (SGLang's overlap loop):
+
+    plan N = schedule(); advance(plan N)    planned before step N - 1's tokens are known
+    launch(plan N, step N - 1)              queued on the device; inputs from N - 1's output
+    collect(step N - 1); update; outputs    the host reads N - 1's tokens while N runs
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
-from sluice.worker.model_runner import RunnerTimings
+from sluice.worker.model_runner import Launched, RunnerTimings
 from sluice.worker.shard import build_shard
 
 logger = logging.getLogger(__name__)
@@ -152,7 +159,13 @@ class LLMEngine:
         self.weight_version = "0"
         self.num_weight_updates = 0
         self.asleep = False
-        logger.info("loaded %s (%s) in %.1fs", src.path, self.dtype, time.perf_counter() - t0)
+        # Asynchronous scheduling: the step launched and not yet collected, and outputs of a
+        # step collected between two calls of step() (a drain), which the next one returns.
+        self.overlap = bool(config.scheduler.async_scheduling) and self.tp is None
+        self._inflight: Launched | None = None
+        self._stashed: list[RequestOutput] = []
+        logger.info("loaded %s (%s) in %.1fs%s", src.path, self.dtype, time.perf_counter() - t0,
+                    "; asynchronous scheduling" if self.overlap else "")
 
     def _speculator(self) -> Speculator | None:
         sp = self.config.speculative
@@ -274,6 +287,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefix blocks (needed after a weight update); returns how many."""
+        self._drain()  # (blocks a step in flight fills are named when its tokens arrive)
         return self.scheduler.reset_prefix_cache()
 
     # -- weights, sleep ------------------------------------------------------
@@ -324,6 +338,7 @@ class LLMEngine:
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError("weight_version must be a non-empty string")
         t0 = time.perf_counter()
+        self._drain()
         self.scheduler.preempt_all()
         if self.tp is not None:  # first: applying them meets the other ranks (quantization's scales)
             self.tp.send(("update",))
@@ -345,6 +360,7 @@ class LLMEngine:
         between the rollout phases of a training loop; the weights stay. Only when no
         request is in flight (EngineBusyError); requests added while asleep are refused
         (EngineAsleepError). Returns the bytes freed."""
+        self._drain()
         if self.scheduler.has_unfinished_requests():
             raise EngineBusyError(f"{len(self.scheduler.requests)} request(s) in flight; sleep when the engine is idle")
         if self.asleep:
@@ -379,7 +395,8 @@ class LLMEngine:
         return self.scheduler.release_session(tenant or "", session_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.outputs.has_pending()
+        return (self.scheduler.has_unfinished_requests() or self.outputs.has_pending()
+                or self._inflight is not None or bool(self._stashed))
 
     def reset(self) -> None:
         """Forget every request and cached block, keeping the model and the KV tensors:
@@ -390,9 +407,14 @@ class LLMEngine:
                                  enable_caching=self.config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self._inflight, self._stashed = None, []
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of the requests it advanced (with asynchronous
+        scheduling: of the step before it, and of any step collected in between)."""
+        if self.overlap:
+            return self._step_overlapped()
         t = self.timings
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -427,7 +449,92 @@ class LLMEngine:
         t.update_and_output += t3 - t2
         return outputs
 
-    def _fail_step(self, plan, error: Exception) -> list[RequestOutput]:
+    # -- asynchronous scheduling ----------------------------------------------
+    def _step_overlapped(self) -> list[RequestOutput]:
+        t = self.timings
+        outputs, self._stashed = self._stashed, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._needs_host(prev.plan):
+            outputs += self._collect(prev)
+            prev = None
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if self.scheduler.last_decisions:
+            logger.debug("step %d: %s", t.steps, "; ".join(self.scheduler.last_decisions))
+        t1 = time.perf_counter()
+        launched = None
+        # A plan with drafts is collected at once: how many tokens its verification keeps
+        # is known only from its result, and the next plan depends on it.
+        advance = not any(e.draft_token_ids for e in plan.scheduled)
+        if not plan.is_empty:
+            if advance:
+                self.scheduler.advance(plan)
+            try:
+                launched = self.runner.launch(plan, prev)
+            except Exception as e:
+                if prev is not None and self.tp is None:
+                    outputs += self._collect(prev)  # computed before this step: its tokens stand
+                    prev = None
+                outputs += self._fail_step(plan, e, advanced=advance)
+        t2 = time.perf_counter()
+        if prev is not None:
+            outputs += self._collect(prev, also=launched.plan if launched is not None and advance else None)
+        if launched is not None:
+            if advance:
+                self._inflight = launched
+            else:
+                outputs += self._collect(launched, advanced=False)
+        t3 = time.perf_counter()
+        for out in outputs:
+            out.weight_version = self.weight_version
+        if launched is not None:
+            self.scheduler.observe_step(plan, t3 - t0)
+        t.steps += 1
+        t.schedule += t1 - t0
+        t.execute += t2 - t1
+        t.update_and_output += t3 - t2
+        return outputs
+
+    def _needs_host(self, plan) -> bool:
+        """Whether the step after this one needs this one's tokens on the host: a request
+        it samples for has a grammar (the next mask follows from the token) or penalties
+        (counts over the output), or the next step may draft (drafts are looked up in
+        the tokens)."""
+        sampled = [e for e in plan.scheduled if e.needs_logits]
+        if any(e.grammar is not None or e.params.has_penalties for e in sampled):
+            return True
+        spec = self.scheduler.spec
+        return spec is not None and bool(sampled) and spec.may_draft(len(sampled))
+
+    def _collect(self, launched: Launched, advanced: bool = True, also=None) -> list[RequestOutput]:
+        """A launched step's tokens to the host, the scheduler and the outputs. also: the
+        plan launched after it (advanced too), whose share of requests that fail here
+        was never computed either (its inputs were this step's)."""
+        plan = launched.plan
+        try:
+            result = self.runner.collect(launched)
+            update = self.scheduler.update(plan, result, advanced=advanced)
+            return self.outputs.process(update)
+        except Exception as e:
+            if also is not None:
+                self.scheduler.unadvance(also, {c for p in self.outputs.parents_of(x.request_id for x in plan.scheduled)
+                                                for c in self.outputs.children_of(p)})
+            return self._fail_step(plan, e, advanced=advanced)
+
+    def _drain(self) -> None:
+        """Collect the step in flight, if any (before an operation that needs the requests'
+        state whole); its outputs go out with the next step()."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            outs = self._collect(launched)
+            for out in outs:
+                out.weight_version = self.weight_version
+            self._stashed += outs
+
+    def _fail_step(self, plan, error: Exception, advanced: bool = False) -> list[RequestOutput]:
+        if advanced:
+            # Its tokens were counted as computed when it was launched: they were not.
+            self.scheduler.unadvance(plan)
         parents = self.outputs.parents_of(e.request_id for e in plan.scheduled)
         logger.exception("an engine step failed (%s); ending its %d request(s) with an error, the engine "
                          "goes on", type(error).__name__, len(parents))

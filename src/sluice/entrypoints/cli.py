@@ -71,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hold each step (so each running request's time per output token) to this many ms by "
                         "sizing the step's token budget from measured step times; fewer prompt tokens per step "
                         "when it would break (default: none, the fixed --max-num-batched-tokens)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan the next step and turn the last step's tokens into output while the device runs "
+                        "the current one (default: on where it pays, a GPU; off on a CPU, where nothing overlaps)")
     g.add_argument("--tenant-weight", action="append", default=[], metavar="NAME=WEIGHT",
                    help="fair policy: a tenant's weight (default 1; repeatable)")
     g.add_argument("--grammar-cache-size", type=int, default=64,
@@ -113,7 +116,8 @@ def engine_kwargs(args) -> dict:
                 cpu_isa=args.cpu_isa, policy=args.scheduling_policy, starvation_s=args.starvation_timeout,
                 session_ttl_s=args.session_ttl, session_ttl_max_s=args.session_ttl_max,
                 max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
-                target_tpot_ms=args.target_tpot_ms, grammar_cache_size=args.grammar_cache_size,
+                target_tpot_ms=args.target_tpot_ms, async_scheduling=args.async_scheduling,
+                grammar_cache_size=args.grammar_cache_size,
                 grammar_compile_timeout_s=args.grammar_compile_timeout,
                 speculative_method=None if args.speculative_method == "off" else args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_gate=args.speculative_gate, speculative_min_match=args.speculative_min_match,

@@ -75,6 +75,12 @@ class Speculator:
                 left -= len(draft)
         return out
 
+    def may_draft(self, num_decodes: int) -> bool:
+        """Whether a step of this many decodes could speculate at all (the gate's first
+        question): with asynchronous scheduling, a step whose decodes might draft next
+        is finished before the next is planned, as drafts are proposed from the tokens."""
+        return self.gate.worth_drafting(num_decodes, self.k)
+
     def verified(self, req, drafted: int, accepted: int) -> None:
         """A request's verification result (accepted <= drafted)."""
         s = self.stats

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,34 @@ def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[t
     """One row of token_logprobs' output as (token id, logprob, rank): the scored token
     first (ids[0] is that token), then the top k in order."""
     return [(ids[0], lps[0], rank)] + [(ids[j], lps[j], j) for j in range(1, k + 1)]
+
+
+@dataclass
+class Launched:
+    """A step whose work is queued on the device (ModelRunner.launch) and whose tokens
+    the host has not read yet (ModelRunner.collect)."""
+    plan: StepPlan
+    entries: list[ScheduledRequest] = field(default_factory=list)  # those sampled for
+    out: SamplerOutput | None = None
+    prompt_logprobs: dict = field(default_factory=dict)
+    # Request id -> its (first) row of out.token_ids: the next step's pending input.
+    rows: dict[str, int] = field(default_factory=dict)
+    t0: float = 0.0
+    t1: float = 0.0
+    t2: float = 0.0
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.out.token_ids
+
+
+def _last_rows(plan: StepPlan) -> list[int]:
+    """Each entry's row of its last non-draft token in the flat batch."""
+    rows, end = [], 0
+    for e in plan.scheduled:
+        end += len(e.token_ids)
+        rows.append(end - 1 - len(e.draft_token_ids))
+    return rows
 
 
 # Prompt rows scored per LM-head call: 256 x 49152 float32 logits are 48 MiB.
@@ -178,7 +206,7 @@ class ModelRunner:
                                  dtype=torch.float32, device=dev))
         offsets = offsets or [0] * len(entries)
         generators = [
-            seeded_generator(p.seed, len(e.prompt_token_ids) + len(e.output_token_ids) + j, dev)
+            seeded_generator(p.seed, len(e.prompt_token_ids) + len(e.output_token_ids) + e.pending_input + j, dev)
             if p.seed is not None and p.temperature > 0 else None
             for p, e, j in zip(params, entries, offsets)
         ]
@@ -196,12 +224,27 @@ class ModelRunner:
         )
 
     # -- one step -------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step, its tokens on the host when it returns."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, prev: "Launched | None" = None) -> "Launched":
+        """Queue one step's work on the device up to its sampled tokens, without waiting
+        for them (on a CPU everything has run when this returns). prev: the step still in
+        flight, whose sampled tokens are the inputs of this step's pending rows
+        (ScheduledRequest.pending_input), copied on the device."""
         if plan.is_empty:
-            return StepResult({})
+            return Launched(plan)
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_rows = self._prepare(plan)
+        pending = [] if prev is None else [
+            (i, e.request_id) for i, e in zip(_last_rows(plan), plan.scheduled) if e.pending_input]
+        if pending:
+            # Asynchronous scheduling: the previous step's tokens, never seen by the host.
+            src = torch.tensor([prev.rows[rid] for _, rid in pending], dtype=torch.long, device=self.device)
+            dst = torch.tensor([i for i, _ in pending], dtype=torch.long, device=self.device)
+            input_ids.index_copy_(0, dst, prev.token_ids.index_select(0, src).to(input_ids.dtype))
         entries = [e for e in plan.scheduled if e.needs_logits]
         # One sampling row per token due; an entry verifying d drafts has d + 1 of them.
         row_entries = [e for e in entries for _ in range(len(e.draft_token_ids) + 1)]
@@ -220,8 +263,7 @@ class ModelRunner:
                 grammar = (torch.tensor(grammar_rows, dtype=torch.long, device=self.device),
                            self.masks.finish(masks).to(self.device))
         t2 = time.perf_counter()
-        sampled: dict[str, SampledToken] = {}
-        accepted: dict[str, list[SampledToken]] = {}
+        launched = Launched(plan, entries, t0=t0, t1=t1, t2=t2)
         if entries:
             # logits_rows is padded to a bucket too; the extra rows repeat the first one.
             rows = hidden.index_select(0, logits_rows)
@@ -233,10 +275,24 @@ class ModelRunner:
                 # Only the argmax is wanted: the backend's fast path for it, where it has one.
                 greedy = self.backend.greedy_tokens(self.model, rows, meta.grammar)
             if greedy is not None:
-                out = SamplerOutput(greedy[:n_rows], None, None, None)
+                launched.out = SamplerOutput(greedy[:n_rows], None, None, None)
             else:
-                out = self.sampler(self.model.compute_logits(rows)[:n_rows], meta)
-            # The one host sync of the step.
+                launched.out = self.sampler(self.model.compute_logits(rows)[:n_rows], meta)
+            i = 0
+            for e in entries:
+                launched.rows[e.request_id] = i
+                i += len(e.draft_token_ids) + 1
+        launched.prompt_logprobs = self._prompt_logprobs(plan, hidden)
+        return launched
+
+    def collect(self, launched: "Launched") -> StepResult:
+        """A launched step's sampled tokens on the host: the one host sync of a step."""
+        plan, entries, out = launched.plan, launched.entries, launched.out
+        if plan.is_empty:
+            return StepResult({})
+        sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, list[SampledToken]] = {}
+        if entries:
             token_ids = out.token_ids.tolist()
             if out.logprobs is not None:
                 lp_ids, lps, ranks = out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
@@ -262,12 +318,11 @@ class ModelRunner:
                     if a:
                         accepted[e.request_id] = [token(e, i + j) for j in range(1, a + 1)]
                 i += len(draft) + 1
-        prompt_logprobs = self._prompt_logprobs(plan, hidden)
         t3 = time.perf_counter()
-        self.timings.prepare += t1 - t0
-        self.timings.forward += t2 - t1
-        self.timings.sample += t3 - t2
-        return StepResult(sampled, prompt_logprobs, accepted)
+        self.timings.prepare += launched.t1 - launched.t0
+        self.timings.forward += launched.t2 - launched.t1
+        self.timings.sample += t3 - launched.t2
+        return StepResult(sampled, launched.prompt_logprobs, accepted)
 
     @torch.inference_mode()
     def forward_only(self, plan: StepPlan) -> None:

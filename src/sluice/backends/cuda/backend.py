@@ -124,6 +124,8 @@ class CudaBackend(Backend):
     family = "cuda"
     # A GPU runs a 2,048-token step in one go.
     default_max_num_batched_tokens = 2048
+    # The host plans step N + 1 and reads step N - 1's tokens while the GPU runs step N.
+    overlap_pays = True
     ops = TRITON_OPS
 
     # -- chosen before anything loads ----------------------------------------------
