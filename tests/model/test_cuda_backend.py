@@ -75,6 +75,22 @@ def test_split_k_decode_and_draft_verification_through_the_engine(tiny_checkpoin
     assert_all_blocks_free(spec)
 
 
+def test_grammar_and_penalties_on_the_gpu_path_with_async_scheduling(tiny_checkpoint, cuda_family, tiny_llm):
+    """Structured outputs (the grammar's mask applied on the device) and penalties beside
+    plain decodes, under asynchronous scheduling (their steps are collected before the next
+    is planned, the others overlap): the torch path's tokens."""
+    path = str(tiny_checkpoint("llama"))
+    prompts = prompts_of_lengths(None, [11, 26, 40], seed=8)
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "[a-z]{2,9}[0-9]{1,3}"}),
+              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.4, frequency_penalty=0.3),
+              SamplingParams(max_tokens=12, **GREEDY)]
+    want = [(o.outputs[0].token_ids, o.outputs[0].text) for o in tiny_llm.generate(prompts, params)]
+    llm = LLM(model=path, dtype="float32", device=cuda_family, num_blocks=64, speculative_method=None)
+    assert llm.engine.overlap
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)] == want
+    assert_all_blocks_free(llm)
+
+
 def test_what_cuda_cannot_run_is_refused_in_one_line():
     from sluice.config import EngineConfig
     for kwargs, fragment in [(dict(quantization="w4a8"), "quantization='w4a8' runs on sluice's CPU kernels"),
