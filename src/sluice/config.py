@@ -11,8 +11,9 @@ from sluice import quantization
 
 DEFAULT_MODEL = "smollm2-135m"
 
-# None: full precision; else a scheme's name (quantization/: int8, w8a8, w4a8).
-QUANTIZATIONS = (None, *quantization.NAMES)
+# None: full precision; else a scheme's name (quantization/: int8, w8a8, w4a8); "auto":
+# the checkpoint's own quantized form where a kernel here computes it (the backend's pick).
+QUANTIZATIONS = (None, "auto", *quantization.NAMES)
 KV_CACHE_DTYPES = ("auto", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -28,8 +29,14 @@ class ModelConfig:
     seed: int = 0
     # None, or a quantization scheme by name (quantization/: "int8" weight-only int8;
     # "w8a8" the same int8 weights times int8 activations per block of 32; "w4a8" 4-bit
-    # weights in llama.cpp's Q4_1 form times the same int8 activations).
-    quantization: str | None = None
+    # weights in llama.cpp's Q4_1 form times the same int8 activations), or "auto": a GGUF's
+    # quantized weights run in their own form where a kernel of this machine holds them
+    # exactly (a Q4_1 file in bfloat16 on the CPU kernels: w4a8), else None. Resolved by
+    # EngineConfig.validate (backends/select.py check_config).
+    quantization: str | None = "auto"
+    # Whether quantization was the "auto" choice (a backend that cannot build its kernels
+    # then runs in full precision instead of refusing).
+    quantization_auto: bool = field(default=False, init=False, repr=False)
     # Batch-invariant kernels: a request's tokens and logprobs are bitwise the same
     # whatever shares its batch (docs/determinism.md).
     deterministic: bool = False
@@ -167,7 +174,7 @@ class EngineConfig:
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
             for name, klass in parts.items():
-                if key in {f.name for f in dataclasses.fields(klass)}:
+                if key in {f.name for f in dataclasses.fields(klass) if f.init}:
                     values[name][key] = value
                     break
             else:
@@ -223,7 +230,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
         if c.kv_cache_dtype == "int8" and c.block_size % 16:
             raise ValueError(f"kv_cache_dtype='int8' takes block_size a multiple of 16, got {c.block_size}")
-        quantization.get(self.model.quantization)  # ValueError for an unknown scheme
+        if self.model.quantization != "auto":
+            quantization.get(self.model.quantization)  # ValueError for an unknown scheme
         if self.model.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.model.load_format!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:

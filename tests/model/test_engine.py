@@ -418,7 +418,8 @@ def test_int8_kv_cache_on_the_default_model(smollm2_source, best_kernel_isa):
     chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     outs, blocks = {}, {}
     for kv in ("auto", "int8"):
-        llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=0.1)
+        llm = LLM(cpu_isa=best_kernel_isa, dtype="bfloat16", quantization=None, kv_cache_dtype=kv,
+                  kv_cache_memory=0.1)
         outs[kv] = [o.outputs[0].token_ids for o in llm.chat(chats, SamplingParams(temperature=0, max_tokens=32))]
         blocks[kv] = llm.engine.runner.num_blocks
         assert_all_blocks_free(llm)

@@ -257,7 +257,8 @@ def test_a_live_build_is_waited_for_and_said(tmp_path, caplog):
 # Every mode's plan, per kernel build: what each build runs for it (the kernel builds share
 # one plan but for the greedy head, which on plain AVX2 takes 7-bit activations).
 MODES = {
-    "default": dict(),
+    "default": dict(),                     # the default model is a Q4_1 GGUF: w4a8 ("auto")
+    "full precision": dict(quantization=None),
     "float32": dict(dtype="float32"),
     "int8": dict(quantization="int8"),
     "w8a8": dict(quantization="w8a8"),
@@ -274,9 +275,9 @@ def expected_line(isa: str, mode: str) -> str:
     if kw.get("dtype") == "float32":
         return (f"backend: cpu isa={isa} dtype=float32 linear=torch attention=kernels-decode+sdpa kv=float32 "
                 f"norm=torch rope=torch head=torch deterministic=off")
-    q = kw.get("quantization")
-    linear = {None: "kernels", "int8": "kernels-int8", "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8"}[q]
     det = kw.get("deterministic", False)
+    q = kw["quantization"] if "quantization" in kw else None if det else "w4a8"
+    linear = {None: "kernels", "int8": "kernels-int8", "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8"}[q]
     head = "kernels" if det else "kernels-greedy-w8a7" if isa == "avx2" else "kernels-greedy-w8a8"
     kv = kw.get("kv_cache_dtype", "bfloat16").replace("auto", "bfloat16")
     return (f"backend: cpu isa={isa} dtype=bfloat16 linear={linear} attention=kernels-varlen kv={kv} norm=kernels "
@@ -363,3 +364,31 @@ def test_no_hardware_branch_outside_backends():
     imports = [f"{p.relative_to(src)}: {line.strip()}" for p in files for line in p.read_text().splitlines()
                if re.match(r"\s*(from|import) sluice\.backends\.(cpu|cuda)\b", line)]
     assert not imports, imports
+
+
+@pytest.mark.requires("kernels")
+def test_auto_quantization_runs_a_q4_1_gguf_in_its_own_form(kernel_isa, tiny_checkpoint, monkeypatch):
+    """quantization='auto' (the default): the default model, a GGUF whose linear weights are
+    all Q4_1, runs w4a8 in bfloat16; a Hugging Face folder, float32, deterministic mode,
+    tensor parallelism and random weights run in full precision, and so does an explicit
+    None. Where the kernels do not build, the automatic choice falls back to full precision
+    while an explicit w4a8 is refused."""
+    from sluice.backends import select
+    from sluice.backends.cpu import x86
+    from sluice.config import EngineConfig
+    from sluice.entrypoints.cli import build_parser
+    cfg = EngineConfig.from_kwargs(cpu_isa=kernel_isa)
+    assert (cfg.model.quantization, cfg.model.quantization_auto) == ("w4a8", True)
+    for kw in (dict(model=str(tiny_checkpoint("llama"))), dict(dtype="float32"), dict(deterministic=True),
+               dict(tensor_parallel_size=2), dict(load_format="dummy"), dict(quantization=None)):
+        assert EngineConfig.from_kwargs(cpu_isa=kernel_isa, **kw).model.quantization is None, kw
+    args = build_parser().parse_args(["serve", "--quantization", "none"])
+    assert args.quantization == "none"
+    assert build_parser().parse_args(["serve"]).quantization == "auto"
+    monkeypatch.setattr(x86, "load", lambda isa: None)
+    cfg = EngineConfig.from_kwargs(cpu_isa=kernel_isa)
+    assert not select.select(cfg.model, cfg.cache, log=False).linear.startswith("kernels")
+    assert cfg.model.quantization is None
+    cfg = EngineConfig.from_kwargs(cpu_isa=kernel_isa, quantization="w4a8")
+    with pytest.raises(ValueError, match="failed to build"):
+        select.select(cfg.model, cfg.cache, log=False)

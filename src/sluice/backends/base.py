@@ -94,6 +94,12 @@ class Backend:
     # the device (a CPU), a step has finished when launch returns and nothing overlaps.
     overlap_pays = False
 
+    @classmethod
+    def auto_quantization(cls, model_config, tensor_parallel_size: int) -> str | None:
+        """quantization='auto' resolved: the scheme that runs the checkpoint's quantized
+        weights in their own form on this family, or None (full precision)."""
+        return None
+
     # -- chosen before anything loads ----------------------------------------------
     @classmethod
     def auto_dtype_for(cls, device: str, cpu_isa: str = "auto") -> torch.dtype:

@@ -69,6 +69,12 @@ def check_config(config) -> None:
     if s.max_num_batched_tokens is None:
         s.max_num_batched_tokens = cls.default_max_num_batched_tokens
     tp = config.parallel.tensor_parallel_size
+    if m.quantization == "auto":
+        m.quantization = cls.auto_quantization(m, tp)
+        m.quantization_auto = m.quantization is not None
+        if m.quantization is not None:
+            logger.info("quantization=%r: the checkpoint's own weights run in that form here (quantization=None "
+                        "for full precision)", m.quantization)
     if s.async_scheduling is None:
         s.async_scheduling = cls.overlap_pays and tp == 1
     elif s.async_scheduling and tp > 1:

@@ -29,8 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the checkpoint's weights; dummy: random weights of the model's shape from its "
                         "config alone, made on the device (to measure speed; default auto)")
-    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_NAMES),
-                   help="int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", *QUANTIZATION_NAMES],
+                   help="auto (default): a GGUF's quantized weights in their own form where a kernel here holds "
+                        "them exactly (a Q4_1 file in bfloat16 on the CPU: w4a8), else none; none: full "
+                        "precision; int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
                         "w8a8: the same weights times int8-quantized activations (sluice's kernels), faster "
                         "batches and prompts; w4a8: 4-bit weights (Q4_1's form, a Q4_1 GGUF's own values) times "
                         "int8 activations, the fastest batches on AVX2 CPUs (docs/benchmarks.md has the quality "
@@ -108,7 +110,7 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 load_format=args.load_format,
-                quantization=args.quantization,
+                quantization=None if args.quantization == "none" else args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -60,6 +60,21 @@ def resolve_model(model: str) -> ModelSource:
                      "a Hugging Face folder or a .gguf file (nothing is downloaded)")
 
 
+# GGUF tensor names of the decoder layers' linear weights (blk.N.<kind>.weight).
+GGUF_LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_linear_types(src: ModelSource) -> set[str]:
+    """The GGUF quantization types (e.g. {"Q4_1"}) of a GGUF's decoder linear weights, read
+    from its header alone (memory-mapped, no tensor data touched); empty for a folder."""
+    if not src.is_gguf:
+        return set()
+    from gguf import GGUFReader
+    reader = GGUFReader(str(src.path))
+    return {t.tensor_type.name for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[-2] in GGUF_LINEAR_KINDS}
+
+
 def load_hf_config(src: ModelSource):
     from transformers import AutoConfig
     if src.is_gguf:
