@@ -1,0 +1,200 @@
+"""Where a step's milliseconds go, offline and served, against the floor each part is
+judged by.
+
+    python benchmarks/step_profile.py [--quantization auto] [--kv-cache-dtype auto]
+        [--batches 1,8,32,128] [--served 1,32] [--json F]
+
+Offline, one engine (speculation off, so every step is a plain decode): for each batch of
+B requests (64-token prompts), once their prompts are in, the mean over 40 decode steps of
+each phase of LLMEngine.step (its StepTimings): schedule, input preparation, the forward
+pass, logits and sampling (LM head, sampler, the host sync), update and detokenization;
+and one mixed kind of step, B decodes beside a 128-token prompt chunk (bound by arithmetic,
+so given no memory floor). Beside the decode steps the
+floor of the step: the bytes it must read (every linear layer's packed weights and the LM
+head's, once, and each request's K/V) at the memory bandwidth measured here (torch reading
+a 1 GiB buffer, best of 5), so `forward + logits / floor` says how far the kernels are
+from the memory.
+
+Served (`--served`): the same engine settings behind `sluice serve`, the c1 and c32 loads
+of `sluice bench serve` (64-token prompts, 64 outputs); the inter-token latency p50 against
+the offline step time at that batch size is what the server costs per token (HTTP, SSE,
+the event loop, the GIL shared with the engine thread).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# This folder's kernels.py would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bandwidth_gbps() -> float:
+    buf = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def weight_bytes(model) -> int:
+    """Bytes a greedy decode step reads of the weights: what each linear layer's method
+    multiplies by at a few rows (KernelWeight's choice: 4-bit, int8 x int8, int8 weights,
+    else the packed bf16 weight), and the head's (the greedy head's int8 copy where there is
+    one); norms and the embedding rows it gathers are negligible."""
+    def read(method) -> list:
+        if isinstance(method, torch.Tensor):
+            return [method]
+        for fields in (("w4a8", "w4d", "w4m"), ("w8a8", "qscale"), ("q_packed", "qscale"), ("packed",),
+                       ("weight",)):
+            if getattr(method, fields[0], None) is not None:
+                return [getattr(method, f) for f in fields]
+        return []
+    tensors = [t for m in model.modules() if getattr(m, "method", None) is not None for t in read(m.method)]
+    greedy = getattr(model, "greedy_head", None)
+    tensors += [greedy.packed_int8, greedy.scale] if greedy is not None else read(getattr(model, "head", None))
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(engine) -> float:
+    caches = engine.runner.kv_caches
+    total = sum(t.numel() * t.element_size() for pair in caches for t in pair)
+    return total / ((engine.runner.num_blocks + 1) * engine.runner.block_size)
+
+
+def offline(args, gbps: float) -> tuple[list[dict], dict]:
+    from sluice import LLMEngine, SamplingParams
+    engine = LLMEngine.from_kwargs(speculative_method=None, quantization=args.quantization,
+                                   kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(args.batches) + 1,
+                                   kv_cache_memory=1.0)
+    model = engine.runner.model
+    wb, kvb = weight_bytes(model), kv_bytes_per_token(engine)
+    info = {"plan": engine.backend.line(), "weight_mb": wb / 1e6, "kv_bytes_per_token": kvb, "gbps": gbps}
+    rng = random.Random(0)
+    rows = []
+    for b in args.batches:
+        for mixed in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            for i in range(b):
+                engine.add_request(f"b{b}-{mixed}-{i}", [rng.randrange(3, 40000) for _ in range(64)], params)
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+                    or engine.scheduler.waiting:
+                engine.step()
+            engine.step()
+            engine.timings.reset()
+            steps, t0 = 40 if not mixed else 8, time.perf_counter()
+            ctx = sum(r.num_tokens for r in engine.scheduler.running)
+            for s in range(steps):
+                if mixed:  # a 128-token prompt chunk beside the decodes, every step
+                    engine.add_request(f"m{b}-{s}", [rng.randrange(3, 40000) for _ in range(128)],
+                                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                engine.step()
+            wall = (time.perf_counter() - t0) / steps * 1e3
+            ms = engine.timings.breakdown_ms()
+            # A decode step's floor is reading; a step with a prompt chunk is bound by
+            # arithmetic (its own floor is the kernels' table in docs/benchmarks.md).
+            floor = None if mixed else (wb + kvb * (ctx + b * steps / 2)) / (gbps * 1e9) * 1e3
+            rows.append({"batch": b, "mixed": mixed, **{k: round(v, 3) for k, v in ms.items()},
+                         "wall_ms": round(wall, 3), "floor_ms": None if floor is None else round(floor, 3),
+                         "vs_floor": None if floor is None
+                         else round((ms["forward"] + ms["logits_and_sampling"]) / floor, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+            for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+                engine.abort(r.request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+    return rows, info
+
+
+def served(args, offline_rows: list[dict]) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--port", str(port), "--speculative-method", "off", "--kv-cache-dtype", args.kv_cache_dtype,
+             "--quantization", "none" if args.quantization is None else args.quantization]
+    log = open(args.out_dir / "step_profile_server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", *flags], stdout=log,
+                              stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    rows = []
+    try:
+        import httpx
+        while True:
+            assert server.poll() is None, "the server died (step_profile_server.log)"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        for c in args.served:
+            report = args.out_dir / f"step_profile_c{c}.json"
+            subprocess.run([sys.executable, "-m", "sluice.entrypoints.cli", "bench", "serve", "--url",
+                            f"http://127.0.0.1:{port}", "--concurrency", str(c), "--requests", str(max(8, 2 * c)),
+                            "--input-len", "64", "--output-len", "64", "--json", str(report)],
+                           check=True, capture_output=True)
+            r = json.loads(report.read_text())["runs"][0]
+            step = next((o["wall_ms"] for o in offline_rows if o["batch"] == c and not o["mixed"]), None)
+            itl = 1e3 * (r["itl_p50_s"] or 0)
+            rows.append({"concurrency": c, "itl_p50_ms": round(itl, 3), "tpot_p50_ms": round(1e3 * r["tpot_p50_s"], 3),
+                         "offline_step_ms": step, "server_ms_per_token": None if step is None else round(itl - step, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quantization", default="auto", help="auto (the default), none, int8, w8a8, w4a8")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
+    ap.add_argument("--served", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    args.quantization = None if args.quantization == "none" else args.quantization
+    args.out_dir = (args.json.parent if args.json else ROOT / "benchmarks" / "results")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    gbps = bandwidth_gbps()
+    rows, info = offline(args, gbps)
+    serve_rows = served(args, rows) if args.served else []
+    print(f"\n{info['plan']}\nweights read per step {info['weight_mb']:.1f} MB, K+V {info['kv_bytes_per_token']:.0f} "
+          f"B/token, memory {gbps:.1f} GB/s\n")
+    print("| batch | step | schedule | prepare | forward | logits + sampling | update + detok | total | floor | "
+          "(forward + logits) / floor |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {'mixed' if r['mixed'] else 'decode'} | {r['schedule']:.2f} | "
+              f"{r['prepare_inputs']:.2f} | {r['forward']:.2f} | {r['logits_and_sampling']:.2f} | "
+              f"{r['update_and_detokenize']:.2f} | {r['total']:.2f} | "
+              + ("– | – |" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} | {r['vs_floor']:.2f}x |"))
+    if serve_rows:
+        print("\n| concurrency | served ITL p50 | offline step | the server's ms per token |\n|---|---|---|---|")
+        for r in serve_rows:
+            print(f"| {r['concurrency']} | {r['itl_p50_ms']:.2f} | {r['offline_step_ms']:.2f} | "
+                  f"{r['server_ms_per_token']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"info": info, "offline": rows, "served": serve_rows,
+                                         "date": time.strftime("%Y-%m-%d")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
