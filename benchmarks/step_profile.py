@@ -52,13 +52,14 @@ def bandwidth_gbps() -> float:
 
 def weight_bytes(model) -> int:
     """Bytes a greedy decode step reads of the weights: what each linear layer's method
-    multiplies by at a few rows (KernelWeight's choice: 4-bit, int8 x int8, int8 weights,
-    else the packed bf16 weight), and the head's (the greedy head's int8 copy where there is
+    multiplies by at a few rows (KernelWeight's choice: 4-bit nibbles, int8 x int8, int8
+    weights, else the packed bf16 weight), and the head's (the greedy head's int8 copy where there is
     one); norms and the embedding rows it gathers are negligible."""
     def read(method) -> list:
         if isinstance(method, torch.Tensor):
             return [method]
-        for fields in (("w4a8", "w4d", "w4m"), ("w8a8", "qscale"), ("q_packed", "qscale"), ("packed",),
+        for fields in (("w4nib", "w4d", "w4m"), ("w4a8", "w4d", "w4m"), ("w8a8", "qscale"), ("q_packed", "qscale"),
+                       ("packed",),
                        ("weight",)):
             if getattr(method, fields[0], None) is not None:
                 return [getattr(method, f) for f in fields]

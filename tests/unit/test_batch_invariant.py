@@ -131,6 +131,16 @@ def test_w4a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, full.to(torch.bfloat16))
     for s, m in row_slices(70):
         assert torch.equal(k.w4a8_linear(x[s:s + m], packed, pd, pm, n, b, True), full[s:s + m]), (s, m)
+    # The nibble-packed copy (two weights a byte), which steps of few rows read (every step on
+    # the AVX-512 build, whose byte layout may then be empty): the same bits at every count.
+    nibbles = k.w4a8_pack_nibbles(packed)
+    assert nibbles.numel() * 2 == packed.numel()
+    limit = k.w4a8_nibble_max_rows()
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 70):
+        got = k.w4a8_linear(x[:m], packed, pd, pm, n, b, True, nibbles)
+        assert torch.equal(got, full[:m]), m
+        if m <= limit:
+            assert torch.equal(k.w4a8_linear(x[:m], packed.new_empty(0), pd, pm, n, b, True, nibbles), full[:m]), m
 
 
 def test_quantize_4bit_finds_q4_1_values_again():

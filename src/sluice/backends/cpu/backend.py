@@ -488,7 +488,8 @@ def build_stack(model, k):
     def linear(module):
         w = module.method
         bias = None if module.bias is None else module.bias.detach()
-        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8, w.w4a8, w.w4d, w.w4m)
+        return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8, w.w4a8, w.w4d, w.w4m,
+                w.w4nib)
 
     first = model.model.layers[0].self_attn
     stack = k.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, first.scale, model.model.norm.eps,

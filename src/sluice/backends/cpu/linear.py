@@ -43,13 +43,14 @@ class KernelWeight:
     w4a8: torch.Tensor | None = None     # 4-bit for kernels.w4a8_linear ...
     w4d: torch.Tensor | None = None      # ... with its block scales
     w4m: torch.Tensor | None = None      # ... and block minimums
+    w4nib: torch.Tensor | None = None    # ... and the weights two to a byte, for steps of few rows
     # float32 outputs by default: the LM head's logits, a row-parallel layer's partial sums
     out_float32: bool = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool | None = None):
         out_float32 = self.out_float32 if out_float32 is None else out_float32
         if self.w4a8 is not None:
-            return self.kernels.w4a8_linear(x, self.w4a8, self.w4d, self.w4m, self.n, bias, out_float32)
+            return self.kernels.w4a8_linear(x, self.w4a8, self.w4d, self.w4m, self.n, bias, out_float32, self.w4nib)
         if self.w8a8 is not None:
             return self.kernels.w8a8_linear(x, self.w8a8, self.qscale, self.n, bias, out_float32)
         if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:
@@ -63,7 +64,10 @@ def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Te
     weight = weight.detach()
     if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
         packed, d, m = kernels.w4a8_pack_weight(*w4)
-        return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
+        nibbles = kernels.w4a8_pack_nibbles(packed)
+        if kernels.w4a8_nibble_max_rows() >= 2**62:  # this build reads the nibbles at every row count
+            packed = packed.new_empty(0)
+        return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m, w4nib=nibbles)
     if q is None:
         return KernelWeight(kernels, weight.shape[0], kernels.bi_pack_weight(weight))
     qweight, qscale = q

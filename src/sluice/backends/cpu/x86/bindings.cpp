@@ -53,10 +53,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // w4a8.cpp
   m.def("w4a8_pack_weight", &sluice::w4a8_pack_weight,
         "pack [N, K] 4-bit weights (0..15) and their [N, K/32] block scales and minimums for w4a8_linear");
+  m.def("w4a8_pack_nibbles", &sluice::w4a8_pack_nibbles,
+        "the packed 4-bit weights two to a byte, which w4a8_linear reads for steps of few rows");
+  m.def("w4a8_nibble_max_rows", &sluice::w4a8_nibble_max_rows,
+        "the most rows a step may have for w4a8_linear to read the nibbles (this build's choice)");
   m.def("w4a8_linear", &sluice::linear_w4a8,
         "x @ (q * d + m)^T (+ b), 4-bit weights per block of 32, x quantized to int8 per block of 32",
         py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("out_float32") = false);
+        py::arg("bias") = py::none(), py::arg("out_float32") = false, py::arg("nibbles") = py::none());
 
   // argmax.cpp
   m.def("apply_token_bitmask", &apply_token_bitmask,

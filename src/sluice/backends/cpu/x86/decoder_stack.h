@@ -32,19 +32,20 @@ struct StackLinear {
   c10::optional<at::Tensor> bias;
   at::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
   at::Tensor w4a8, w4d, w4m;  // for sluice::linear_w4a8, at every row count
+  c10::optional<at::Tensor> w4nib;  // ... and its nibble-packed copy, for steps of few rows
 
   // Whether the layer takes int8-quantized rows (W8A8Rows).
   bool quantized() const { return w8a8.defined() || w4a8.defined(); }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (w4a8.defined()) return sluice::linear_w4a8(x, w4a8, w4d, w4m, n, bias, false);
+    if (w4a8.defined()) return sluice::linear_w4a8(x, w4a8, w4d, w4m, n, bias, false, w4nib);
     if (w8a8.defined()) return sluice::linear_w8a8(x, w8a8, qscale, n, bias, false);
     if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
       return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
     return sluice::linear(x, packed, n, bias, false);
   }
   at::Tensor operator()(const sluice::W8A8Rows& x) const {
-    if (w4a8.defined()) return sluice::linear_w4a8_rows(x, w4a8, w4d, w4m, n, bias, false);
+    if (w4a8.defined()) return sluice::linear_w4a8_rows(x, w4a8, w4d, w4m, n, bias, false, w4nib);
     return sluice::linear_w8a8_rows(x, w8a8, qscale, n, bias, false);
   }
 };
@@ -61,12 +62,12 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         final_norm_(final_norm.contiguous()) {}
 
-  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias, w8a8, w4a8, w4d, w4m);
-  // absent tensors are None.
+  // Each linear: (n, packed, q_packed, qscale, int8_max_rows, bias, w8a8, w4a8, w4d, w4m,
+  // w4nib); absent tensors are None.
   using LinearArgs = std::tuple<int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>, double, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                                c10::optional<at::Tensor>>;
+                                c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
 
   void add_layer(const LinearArgs& qkv, const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
                  at::Tensor input_norm, at::Tensor post_attention_norm) {
@@ -128,6 +129,7 @@ class DecoderStack {
     if (std::get<7>(a)) s.w4a8 = *std::get<7>(a);
     if (std::get<8>(a)) s.w4d = *std::get<8>(a);
     if (std::get<9>(a)) s.w4m = *std::get<9>(a);
+    s.w4nib = std::get<10>(a);
     TORCH_CHECK(s.packed.defined() || s.q_packed.defined() || s.w8a8.defined() || s.w4a8.defined(),
                 "a linear layer needs packed weights");
     return s;

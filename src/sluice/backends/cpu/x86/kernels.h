@@ -51,11 +51,16 @@ at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor sca
                             c10::optional<at::Tensor> bias, bool out_float32);
 // w4a8.cpp: 4-bit weights (Q4_1's form: per block of 32, a scale and a minimum) by the
 // same quantized activations.
+// nibbles: the same weights two to a byte (w4a8_pack_nibbles), read by steps of few rows.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at::Tensor d, at::Tensor m);
+at::Tensor w4a8_pack_nibbles(at::Tensor packed);
+int64_t w4a8_nibble_max_rows();  // the most rows a step may have to read the nibbles
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                       c10::optional<at::Tensor> bias, bool out_float32);
+                       c10::optional<at::Tensor> bias, bool out_float32,
+                       c10::optional<at::Tensor> nibbles = c10::nullopt);
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                            c10::optional<at::Tensor> bias, bool out_float32);
+                            c10::optional<at::Tensor> bias, bool out_float32,
+                            c10::optional<at::Tensor> nibbles = c10::nullopt);
 // head_w8a7.cpp: the greedy fast path's approximate LM head without the sign trick.
 at::Tensor head_w8a7_pack(at::Tensor q);
 at::Tensor head_w8a7(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N);

@@ -37,6 +37,19 @@ constexpr int kLanes = 16;
 constexpr int kBlock = 32;                  // k per weight and activation scale
 constexpr int kStepsPerBlock = kBlock / 4;  // 4 k per 32-bit lane
 constexpr int kRows = 4;                    // register block: kRows x kCols groups of 16 columns
+// Steps of at most this many rows read the nibble-packed copy (half the bytes, and an and
+// and a shift per vector to unpack), bigger ones the byte layout; measured per build on the
+// default model's layers (docs/benchmarks.md, "w4a8 nibbles"). AVX-512: nibbles at every
+// row count (c1 -23%, c32 -8%), so no byte layout is kept. AVX2 + AVX-VNNI on ymm halves:
+// nibbles to 8 rows (c8 -10%; c32 +6% with them). Plain AVX2: to 4 rows (c1 -35%), since
+// from 8 rows its asm block on bytes (below) beats the unpacking intrinsics by 20-45%.
+#if defined(SLUICE_SIGN_TRICK)
+constexpr int64_t kNibbleMaxRows = 4;
+#elif defined(SLUICE_AVX2)
+constexpr int64_t kNibbleMaxRows = 8;
+#else
+constexpr int64_t kNibbleMaxRows = INT64_MAX;
+#endif
 #if defined(SLUICE_AVX2)
 constexpr int kCols = 1;  // 16 ymm registers: one group of 16 columns at a time
 #else
@@ -48,6 +61,22 @@ int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 // acc += w . x over 4 k per lane: w unsigned bytes in 0..15, x 4 signed bytes broadcast
 // (vpmaddubsw takes w as its unsigned operand as is: pairs are at most 2 * 15 * 128).
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x4) { return dot4_unsigned_signed(acc, w, x4); }
+
+// A nibble-packed vector (w4a8_pack_nibbles) holds two 4-k steps of a 16-column group:
+// the low nibbles the first, the high the second; each comes out as the byte layout's.
+inline void unpack_nibbles(__m512i v, __m512i& first, __m512i& second) {
+#if defined(SLUICE_AVX2)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  first.lo = _mm256_and_si256(v.lo, low);
+  first.hi = _mm256_and_si256(v.hi, low);
+  second.lo = _mm256_and_si256(_mm256_srli_epi16(v.lo, 4), low);
+  second.hi = _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), low);
+#else
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  first = _mm512_and_si512(v, low);
+  second = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#endif
+}
 
 // The activations as W8A8Rows holds them.
 struct Acts {
@@ -141,13 +170,14 @@ inline void block_4x1_avx2(float*, const uint8_t*, const int8_t*, int64_t, const
 #endif
 
 // R rows x C groups of 16 columns over the whole of K, then the bias and the store.
-// wd, wm: [NB][nblk][16] block scales and minimums.
-template <int R, int C>
+// wd, wm: [NB][nblk][16] block scales and minimums. Nib: w is nibble-packed (two steps a
+// vector, w4a8_pack_nibbles), else a byte a weight; the same sums either way.
+template <int R, int C, bool Nib = false>
 void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
            const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
   const int64_t Kp = x.Kp, nblk = Kp / kBlock;
   __m512 acc[R][C];
-  if (kAsmBlock && R == 4 && C == 1 && nblk > 0) {
+  if (kAsmBlock && !Nib && R == 4 && C == 1 && nblk > 0) {
     alignas(64) float sums[R * kLanes] = {};
     block_4x1_avx2(sums, w + nb0 * KS * kLanes * 4, x.q + m0 * Kp, Kp, x.scales + m0 * nblk, x.bsums + m0 * nblk,
                    nblk, wd + nb0 * nblk * kLanes, wm + nb0 * nblk * kLanes, pf);
@@ -160,12 +190,26 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
       __m512i isum[R][C];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
-      for (int s = 0; s < kStepsPerBlock; ++s) {
-        const int64_t step = b * kStepsPerBlock + s;
-        __m512i wv[C];
-        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c) isum[r][c] = dot4(isum[r][c], wv[c], x.q + (m0 + r) * Kp + step * 4);
+      if constexpr (Nib) {
+        for (int s = 0; s < kStepsPerBlock; s += 2) {
+          const int64_t step = b * kStepsPerBlock + s;
+          __m512i w0[C], w1[C];
+          for (int c = 0; c < C; ++c)
+            unpack_nibbles(_mm512_loadu_si512(w + ((nb0 + c) * (KS / 2) + step / 2) * kLanes * 4), w0[c], w1[c]);
+          for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) {
+              isum[r][c] = dot4(isum[r][c], w0[c], x.q + (m0 + r) * Kp + step * 4);
+              isum[r][c] = dot4(isum[r][c], w1[c], x.q + (m0 + r) * Kp + step * 4 + 4);
+            }
+        }
+      } else {
+        for (int s = 0; s < kStepsPerBlock; ++s) {
+          const int64_t step = b * kStepsPerBlock + s;
+          __m512i wv[C];
+          for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
+          for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) isum[r][c] = dot4(isum[r][c], wv[c], x.q + (m0 + r) * Kp + step * 4);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m512 sx = _mm512_set1_ps(x.scales[(m0 + r) * nblk + b]);
@@ -193,16 +237,16 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
   }
 }
 
-template <int R>
+template <int R, bool Nib = false>
 void block_cols(int C, const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
                 const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
   if constexpr (kCols == 1) {  // one group at a time (the same sums, in the same order)
-    for (int c = 0; c < C; ++c) block<R, 1>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf);
+    for (int c = 0; c < C; ++c) block<R, 1, Nib>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf);
   } else {
     switch (C) {
-      case 1: return block<R, 1>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
-      case 2: return block<R, 2>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
-      default: return block<R, kCols>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+      case 1: return block<R, 1, Nib>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+      case 2: return block<R, 2, Nib>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+      default: return block<R, kCols, Nib>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
     }
   }
 }
@@ -238,23 +282,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at
   return {out, od, om};
 }
 
+// The byte layout [NB][KS][16][4] -> two steps a byte, [NB][KS / 2][16][4]: byte (j, l, i)
+// holds step 2j's weight in its low nibble and step 2j + 1's in its high one. Half the
+// bytes a few-row step reads, where reading the weights is what a step costs.
+at::Tensor w4a8_pack_nibbles(at::Tensor packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) % 2 == 0,
+              "weights packed by w4a8_pack_weight expected");
+  auto p = packed.contiguous().view({packed.size(0), packed.size(1) / 2, 2, kLanes, 4});
+  return p.select(2, 0).bitwise_or(p.select(2, 1).bitwise_left_shift(4)).contiguous();
+}
+
+int64_t w4a8_nibble_max_rows() { return kNibbleMaxRows; }
+
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                            c10::optional<at::Tensor> bias, bool out_float32) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4, "weights packed by w4a8_pack_weight expected");
+                            c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
   const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
-  TORCH_CHECK(packed.size(0) == NB && packed.size(1) == KS, "packed weight does not match [N, K]");
+  const bool use_nibbles = nibbles.has_value() && M <= kNibbleMaxRows;
+  if (!use_nibbles)  // (where nibbles serve every row count, the byte layout may be left empty)
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(0) == NB &&
+                packed.size(1) == KS, "weights packed by w4a8_pack_weight, matching [N, K], expected");
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
               m.scalar_type() == at::kFloat && m.is_contiguous() && m.numel() == d.numel(),
               "block scales and minimums packed by w4a8_pack_weight expected");
   const auto bias_f = float_or_empty(bias);
   auto out = at::empty({M, N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint8_t* w = use_nibbles ? nullptr : packed.data_ptr<uint8_t>();
   const Acts acts{x.q.data_ptr<int8_t>(), x.scales.data_ptr<float>(), x.bsums.data_ptr<float>(), Kp};
   const float* wd = d.data_ptr<float>();
   const float* wm = m.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   void* op = out.data_ptr();
+  if (use_nibbles) {
+    TORCH_CHECK(nibbles->scalar_type() == at::kByte && nibbles->is_contiguous() && nibbles->dim() == 4 &&
+                nibbles->size(0) == NB && nibbles->size(1) * 2 == KS, "nibbles made by w4a8_pack_nibbles expected");
+    const uint8_t* wn = nibbles->data_ptr<uint8_t>();
+    for_panels(M, NB, kCols, kRows, wn, KS * kLanes * 2, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+      switch (r) {
+        case 1: return block_cols<1, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+        case 2: return block_cols<2, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+        default: return block_cols<kRows, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+      }
+    });
+    return out;
+  }
   // As linear_w8a8_rows: threads split column panels, each reused by every row block.
   for_panels(M, NB, kCols, kRows, w, KS * kLanes * 4, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
     switch (r) {
@@ -268,8 +339,8 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
 
 // x: [M, K] bf16, quantized per block of 32 as linear_w8a8 does; then linear_w4a8_rows.
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                       c10::optional<at::Tensor> bias, bool out_float32) {
-  return linear_w4a8_rows(w8a8_quantize(x), packed, d, m, N, bias, out_float32);
+                       c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
+  return linear_w4a8_rows(w8a8_quantize(x), packed, d, m, N, bias, out_float32, nibbles);
 }
 
 }  // namespace sluice

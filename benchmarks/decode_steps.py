@@ -1,0 +1,56 @@
+"""Offline decode step time by concurrency: one engine (the default mode unless flags say
+otherwise, speculation off), for each c in --concurrency c requests of 64 random prompt
+tokens, the mean wall time of their decode steps after the first three steps, in ms.
+
+    python benchmarks/decode_steps.py [--cpu-isa avx512] [--quantization auto] [--concurrency 1,2,4,8,16,32]
+
+Prints one JSON line. For an A/B of two revisions run it alternately with PYTHONPATH set to
+each one's src/ (docs/benchmarks.md, "w4a8 nibbles").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+# This folder's kernels.py would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def main() -> int:
+    from sluice import LLMEngine, SamplingParams
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-isa", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
+    args = ap.parse_args()
+    engine = LLMEngine.from_kwargs(speculative_method=None, cpu_isa=args.cpu_isa,
+                                   quantization=None if args.quantization == "none" else args.quantization,
+                                   max_num_seqs=max(args.concurrency))
+    rng = random.Random(0)
+
+    def run(c: int, n_out: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+        for i in range(c):
+            engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(64)], params)
+        for _ in range(3):
+            engine.step()
+        t0, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        return round((time.perf_counter() - t0) / steps * 1e3, 2)
+
+    run(2, 8)  # warm
+    out = {"plan": engine.backend.line()}
+    for c in args.concurrency:
+        out[f"c{c}"] = run(c, 64 if c <= 8 else 48 if c <= 16 else 32)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
