@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-# This folder's kernels.py would shadow the `kernels` package transformers imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def main() -> int:

@@ -32,10 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-# This folder's kernels.py would shadow the `kernels` package transformers imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
