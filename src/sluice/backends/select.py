@@ -73,8 +73,8 @@ def check_config(config) -> None:
         m.quantization = cls.auto_quantization(m, tp)
         m.quantization_auto = m.quantization is not None
         if m.quantization is not None:
-            logger.info("quantization=%r: the checkpoint's own weights run in that form here (quantization=None "
-                        "for full precision)", m.quantization)
+            logger.info("quantization=%r: the checkpoint's quantized weights run in their own form here "
+                        "(--quantization none, or quantization=None, for full precision)", m.quantization)
     if s.async_scheduling is None:
         s.async_scheduling = cls.overlap_pays and tp == 1
     elif s.async_scheduling and tp > 1:
