@@ -19,6 +19,9 @@ Served (`--served`): the same engine settings behind `sluice serve`, the c1 and 
 of `sluice bench serve` (64-token prompts, 64 outputs); the inter-token latency p50 against
 the offline step time at that batch size is what the server costs per token (HTTP, SSE,
 the event loop, the GIL shared with the engine thread).
+
+By kind: the same decode steps with the model's Python loop over its layers instead of
+the one-call decoder stack (the same kernels), each Linear (by role) and each op timed.
 """
 from __future__ import annotations
 
@@ -120,7 +123,88 @@ def offline(args, gbps: float) -> tuple[list[dict], dict]:
                 engine.abort(r.request_id)
             while engine.has_unfinished_requests():
                 engine.step()
+    info["kinds"] = layer_kinds(engine, args.batches, rng)
     return rows, info
+
+
+class _TimedOps:
+    """The backend's ops with each call's wall time added to `spent` by op name."""
+
+    def __init__(self, ops, spent: dict):
+        self._ops, self._spent = ops, spent
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return timed
+
+
+def layer_kinds(engine, batches: list[int], rng) -> list[dict]:
+    """The forward by kind of work, per decode step: the model's own Python loop over its
+    layers run instead of the one-call decoder stack (the same kernels, one call each), each
+    Linear's method and each op timed apart. Linears by role (qkv, o, gate_up, down, head),
+    then attention (the paged kernel), rope + K/V write, the residual adds with RMSNorm,
+    SwiGLU; "other" is the forward's rest (embedding, RoPE tables, the loop)."""
+    from sluice import SamplingParams
+    model = engine.runner.model
+    spent: dict[str, float] = {}
+    saved_ff, saved_ops, saved_methods = model.fast_forward, {}, {}
+    try:
+        model.fast_forward = None
+        for name, m in model.named_modules():
+            if hasattr(type(m), "ops") and not isinstance(m.ops, _TimedOps):
+                saved_ops[name] = m.ops
+                m.ops = _TimedOps(m.ops, spent)
+            method = getattr(m, "method", None)
+            if method is not None:
+                role = name.rsplit(".", 1)[-1].removesuffix("_proj")
+
+                def timed(*a, _f=method, _r=role, **k):
+                    t0 = time.perf_counter()
+                    out = _f(*a, **k)
+                    spent[_r] = spent.get(_r, 0.0) + time.perf_counter() - t0
+                    return out
+                saved_methods[name] = method
+                m.method = timed
+        rows = []
+        for b in batches:
+            params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+            for i in range(b):
+                engine.add_request(f"k{b}-{i}", [rng.randrange(3, 40000) for _ in range(64)], params)
+            while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                  for r in engine.scheduler.running):
+                engine.step()
+            engine.step()
+            spent.clear()
+            engine.timings.reset()
+            steps = 20
+            for _ in range(steps):
+                engine.step()
+            ms = engine.timings.breakdown_ms()
+            row = {"batch": b, "forward": round(ms["forward"], 3)}
+            for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+                row[k] = round(1e3 * v / steps, 3)
+            timed_forward = sum(v for k, v in spent.items() if k != "head") * 1e3 / steps
+            row["other"] = round(ms["forward"] - timed_forward, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for r in list(engine.scheduler.running):
+                engine.abort(r.request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+        return rows
+    finally:
+        model.fast_forward = saved_ff
+        for name, m in model.named_modules():
+            if name in saved_ops:
+                m.ops = saved_ops[name]
+            if name in saved_methods:
+                m.method = saved_methods[name]
 
 
 def served(args, offline_rows: list[dict]) -> list[dict]:
@@ -184,6 +268,12 @@ def main() -> int:
               f"{r['prepare_inputs']:.2f} | {r['forward']:.2f} | {r['logits_and_sampling']:.2f} | "
               f"{r['update_and_detokenize']:.2f} | {r['total']:.2f} | "
               + ("– | – |" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} | {r['vs_floor']:.2f}x |"))
+    kinds = info["kinds"]
+    names = [k for k in kinds[0] if k not in ("batch", "forward")]
+    print("\nThe forward by kind (the Python layer loop, ms per step; the head is outside the forward):\n")
+    print("| batch | forward | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
+    for r in kinds:
+        print(f"| {r['batch']} | {r['forward']:.2f} | " + " | ".join(f"{r.get(n, 0):.2f}" for n in names) + " |")
     if serve_rows:
         print("\n| concurrency | served ITL p50 | offline step | the server's ms per token |\n|---|---|---|---|")
         for r in serve_rows:
