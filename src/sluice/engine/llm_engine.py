@@ -472,7 +472,7 @@ class LLMEngine:
             try:
                 launched = self.runner.launch(plan, prev)
             except Exception as e:
-                if prev is not None and self.tp is None:
+                if prev is not None:
                     outputs += self._collect(prev)  # computed before this step: its tokens stand
                     prev = None
                 outputs += self._fail_step(plan, e, advanced=advance)

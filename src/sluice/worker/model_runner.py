@@ -4,6 +4,7 @@ runs any of it is the backend's (backends/): the runner asks it for the KV tenso
 step's attention record, the greedy fast path and the sampler's device ops."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,8 +42,6 @@ class Launched:
     entries: list[ScheduledRequest] = field(default_factory=list)  # those sampled for
     out: SamplerOutput | None = None
     prompt_logprobs: dict = field(default_factory=dict)
-    # Request id -> its (first) row of out.token_ids: the next step's pending input.
-    rows: dict[str, int] = field(default_factory=dict)
     t0: float = 0.0
     t1: float = 0.0
     t2: float = 0.0
@@ -50,6 +49,16 @@ class Launched:
     @property
     def token_ids(self) -> torch.Tensor:
         return self.out.token_ids
+
+    @functools.cached_property
+    def rows(self) -> dict[str, int]:
+        """Request id -> its (first) row of out.token_ids: the next step's pending input
+        (asked for only by a step launched while this one is in flight)."""
+        rows, i = {}, 0
+        for e in self.entries:
+            rows[e.request_id] = i
+            i += len(e.draft_token_ids) + 1
+        return rows
 
 
 def _last_rows(plan: StepPlan) -> list[int]:
@@ -278,10 +287,6 @@ class ModelRunner:
                 launched.out = SamplerOutput(greedy[:n_rows], None, None, None)
             else:
                 launched.out = self.sampler(self.model.compute_logits(rows)[:n_rows], meta)
-            i = 0
-            for e in entries:
-                launched.rows[e.request_id] = i
-                i += len(e.draft_token_ids) + 1
         launched.prompt_logprobs = self._prompt_logprobs(plan, hidden)
         return launched
 
