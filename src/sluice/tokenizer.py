@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from sluice.chat_templates import END_OF_TURN_TOKENS
 from sluice.models.loader import ModelSource, gguf_converted, read_gguf_chat_template
 
 # apply_chat_template's own arguments (and transformers' template variables it sets):
@@ -43,6 +44,10 @@ class Tokenizer:
                 eos.add(source)
             elif isinstance(source, (list, tuple)):
                 eos.update(int(t) for t in source)
+        template = getattr(tok, "chat_template", None)
+        if isinstance(template, str):
+            vocab = tok.get_vocab()
+            eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template)
         return cls(tok, eos)
 
     @property

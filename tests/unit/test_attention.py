@@ -109,3 +109,51 @@ def test_bf16_routine_is_as_close_to_float32_as_rounding_allows(group, head_dim,
         one = mod.paged_attention_varlen(qp[i:i + 1], kc, vc, table, torch.tensor([0, 1]), torch.tensor([i + 1]),
                                          head_dim ** -0.5)
         assert torch.equal(one[0], chunk[i]), i
+
+
+def windowed_reference(q, k_cache, v_cache, tables, lens, scale, window):
+    """Dense attention of each row over its last `window` keys, in float64."""
+    hkv, _, _, d = k_cache.shape
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        s = max(0, n - window)
+        k = k_cache[:, tables[i]].reshape(hkv, -1, d)[:, s:n].double()
+        v = v_cache[:, tables[i]].reshape(hkv, -1, d)[:, s:n].double()
+        p = torch.softmax(q[i].double().view(hkv, -1, d) @ k.transpose(-1, -2) * scale, dim=-1)
+        out.append((p @ v).reshape(-1, d))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+def test_sliding_window_kernel_and_torch_path_match_dense(dtype, tol, window, isa_kernels):
+    """A sliding-window layer's attention (Gemma 3's local layers): the flat kernel and
+    torch's masked matmuls each see only a row's last `window` keys; a window past the
+    context is plain attention."""
+    q, kc, vc, meta = make_case(dtype, num_kv_heads=2, group=2, head_dim=64, seed=window)
+    ref = windowed_reference(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125, window)
+    args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125)
+    flat = isa_kernels.paged_attention_varlen(q, kc, vc, *args, window=window)
+    torch.testing.assert_close(flat.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.125, window).double(), ref, atol=tol, rtol=tol)
+    assert torch.equal(isa_kernels.paged_attention_varlen(q, kc, vc, *args, window=1000),
+                       isa_kernels.paged_attention_varlen(q, kc, vc, *args))
+
+
+def test_sliding_window_prompt_chunk_gives_each_tokens_decode_bits(isa_kernels):
+    """With a window, a token's output is the same bits in a prompt chunk of any size as in
+    its own decode step (deterministic mode's batch invariance), and matches dense attention."""
+    mod = isa_kernels
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, meta = make_case(dtype, num_kv_heads=1, group=4, head_dim=256 // 4, seed=3)
+        n, window = int(meta.seq_lens[-1]), 24
+        qp = torch.randn(n, q.shape[1], q.shape[2], generator=torch.Generator().manual_seed(2)).to(dtype)
+        table = meta.block_tables[-1:]
+        chunk = mod.paged_attention_varlen(qp, kc, vc, table, torch.tensor([0, n]), torch.tensor([n]), 0.1,
+                                           window=window)
+        for i in (0, 10, 23, 24, 25, 57, n - 1):
+            one = mod.paged_attention_varlen(qp[i:i + 1], kc, vc, table, torch.tensor([0, 1]), torch.tensor([i + 1]),
+                                             0.1, window=window)
+            assert torch.equal(one[0], chunk[i]), (dtype, i)
+            ref = windowed_reference(qp[i:i + 1], kc, vc, table, torch.tensor([i + 1]), 0.1, window)
+            torch.testing.assert_close(one.double(), ref, atol=2e-2, rtol=2e-2)

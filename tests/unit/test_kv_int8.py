@@ -129,3 +129,28 @@ def test_int8_cache_rejects_bad_shapes(k):
         k.paged_attention_varlen(q.float(), torch.zeros(1, 4, 16, 68, dtype=torch.uint8),
                                  torch.zeros(1, 4, 16, 68, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.long),
                                  torch.tensor([0, 1]), torch.tensor([1]), 0.125)
+
+
+def test_sliding_window_over_int8_cache_matches_float64(k):
+    """A sliding-window layer over an int8 cache: each row attends its last `window`
+    (dequantized) keys, within int8's tolerance, and a window past the context changes nothing."""
+    g = torch.Generator().manual_seed(11)
+    hkv, group, d, bs, nb, window = 2, 2, 64, 16, 64, 20
+    kc, vc = torch.randn(hkv, nb, bs, d, generator=g), torch.randn(hkv, nb, bs, d, generator=g)
+    k8, v8 = int8_cache_from_dense(kc, True), int8_cache_from_dense(vc, False)
+    lens = torch.tensor([1, 19, 20, 21, 63, 100])
+    nblk = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:nblk] for _ in lens])
+    q = torch.randn(len(lens), hkv * group, d, generator=g).bfloat16()
+    args = (tables, torch.arange(len(lens) + 1), lens, d ** -0.5)
+    out = k.paged_attention_varlen(q, k8, v8, *args, window=window)
+    kd, vd = dense_from_int8_cache(k8, True), dense_from_int8_cache(v8, False)
+    ref = []
+    for i, n in enumerate(lens.tolist()):
+        s = max(0, n - window)
+        kk = kd[:, tables[i]].reshape(hkv, -1, d)[:, s:n].double()
+        vv = vd[:, tables[i]].reshape(hkv, -1, d)[:, s:n].double()
+        p = torch.softmax(q[i].double().view(hkv, -1, d) @ kk.transpose(-1, -2) * d ** -0.5, -1)
+        ref.append((p @ vv).reshape(-1, d))
+    torch.testing.assert_close(out.double(), torch.stack(ref), atol=2.5e-2, rtol=0)
+    assert torch.equal(k.paged_attention_varlen(q, k8, v8, *args, window=1000), k.paged_attention_varlen(q, k8, v8, *args))

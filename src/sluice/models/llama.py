@@ -80,6 +80,8 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     d = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = arch.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "linear":
+        inv_freq = inv_freq / s["factor"]
     if s and s.get("rope_type", s.get("type")) == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
@@ -91,6 +93,18 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def rope_cos_sin(positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor,
+                 table: tuple[torch.Tensor, torch.Tensor] | None):
+    """cos and sin [T, 1, D] of each position: from the table where there is one, else
+    computed in fp32 and applied in the model dtype (the 1 broadcasts over heads)."""
+    if table is not None:
+        cos, sin = table
+        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+    freqs = positions.float()[:, None] * inv_freq[None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
 class RMSNorm(nn.Module):
@@ -123,11 +137,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        # Keys a query sees, itself included (0: all before it); a sliding-window layer's.
+        self.window = 0
 
     def forward(self, x, cos, sin, meta, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         q = self.ops.rope_write_kv(self.qkv_proj(x), cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
                                    self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
-        o = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.window:
+            o = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        else:
+            o = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
@@ -155,10 +174,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE, make_layer=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, tp) for _ in range(arch.num_layers))
+        make_layer = make_layer or (lambda i: DecoderLayer(arch, tp))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -182,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp
-        self.model = LlamaModel(arch, tp)
+        self.model = LlamaModel(arch, tp, self.make_layer)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         # Set by the backend's prepare(): the LM head as a callable hidden -> float logits
@@ -193,14 +213,18 @@ class LlamaForCausalLM(nn.Module):
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fast_forward = None
 
+    def make_layer(self, i: int) -> nn.Module:
+        """Decoder layer i (a subclass's own kind of layer)."""
+        return DecoderLayer(self.arch, self.tp)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        if self.rope_table is not None:
-            cos, sin = self.rope_table
-            return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # [T, 1, D]: broadcast over heads; computed in fp32, applied in the model dtype.
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return rope_cos_sin(positions, dtype, self.inv_freq, self.rope_table)
+
+    def fix_rope_tables(self, max_positions: int, dtype: torch.dtype) -> None:
+        """One cos/sin table for every position, built once (deterministic mode)."""
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        cos, sin = self.rope(positions, dtype)
+        self.rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

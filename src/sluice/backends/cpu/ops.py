@@ -16,29 +16,32 @@ import torch
 from sluice.backends.torch_ref import TorchOps, decode_attention, prefill_attention
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's cached K/V."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's cached K/V (its last
+    `window` positions where window > 0: a sliding-window layer; the decode-only kernel
+    takes no window, torch's masked matmuls run those rows then)."""
     if meta.flat_kernel is not None:  # padding rows come out as zeros
         return meta.flat_kernel.paged_attention_varlen(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                                       meta.query_start_loc, meta.seq_lens, scale)
+                                                       meta.query_start_loc, meta.seq_lens, scale, window)
     # Zeros, not empty: rows that pad a bucketed batch are attended by nobody and must stay finite.
     out = torch.zeros_like(q)
-    if meta.decode_token_idx is not None and meta.decode_kernel is not None:
+    if meta.decode_token_idx is not None and meta.decode_kernel is not None and not window:
         qd = q.index_select(0, meta.decode_token_idx)
         od = meta.decode_kernel.paged_decode_attention(qd, k_cache, v_cache, meta.decode_block_tables,
                                                        meta.decode_seq_lens, scale)
         out.index_copy_(0, meta.decode_token_idx, od)
     elif meta.decode_token_idx is not None:
-        decode_attention(q, k_cache, v_cache, meta, scale, out)
-    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        decode_attention(q, k_cache, v_cache, meta, scale, out, window)
+    prefill_attention(q, k_cache, v_cache, meta, scale, out, window)
     return out
 
 
 class DecodeKernelOps(TorchOps):
     name = "kernels-decode"
 
-    def attention(self, q, k_cache, v_cache, meta, scale):
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+    def attention(self, q, k_cache, v_cache, meta, scale, window=0):
+        return paged_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 class KernelOps(DecodeKernelOps):

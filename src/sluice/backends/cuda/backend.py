@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice.backends.base import AttentionMetadata, Backend, FlatBatch
+from sluice.backends.base import AttentionMetadata, Backend, FlatBatch, is_windowed
 from sluice.backends.torch_ref import TorchOps
 
 logger = logging.getLogger("sluice.backends.select")
@@ -180,6 +180,11 @@ class CudaBackend(Backend):
                 f"norm=triton rope=triton head=cublas graphs={graphs} deterministic=off")
 
     # -- the model --------------------------------------------------------------
+    def check_model(self, arch) -> None:
+        if is_windowed(arch):
+            raise ValueError("sliding-window attention layers (this model has them) run on the CPU backend; the "
+                             "Triton attention kernels take no window yet: what works is device='cpu'")
+
     @torch.no_grad()
     def prepare(self, model, quantization=None, max_positions=None, with_head: bool = True) -> None:
         # Query heads per KV head: the rows of one attention tile per query token.

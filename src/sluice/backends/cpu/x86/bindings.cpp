@@ -14,7 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // paged_attention.cpp
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("paged_attention_varlen", &paged_attention_varlen,
-        "attention for every token of a flat batch over a paged KV cache, prefill and decode alike (CPU)");
+        "attention for every token of a flat batch over a paged KV cache, prefill and decode alike (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
 
   // batch_invariant.cpp
   m.attr("has_batch_invariant") = true;

@@ -10,7 +10,7 @@
 // paged_attention.cpp
 at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor query_start,
-                                  at::Tensor seq_lens, double scale);
+                                  at::Tensor seq_lens, double scale, int64_t window = 0);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale);
 // argmax.cpp

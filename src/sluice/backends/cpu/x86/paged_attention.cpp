@@ -520,15 +520,17 @@ inline void softmax_scalar(float* s, int64_t n) {
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
+// The keys at positions start .. start + len - 1 (start > 0: a sliding window's).
 template <typename T>
 void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks, int64_t len,
-                int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* acc) {
+                int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* acc,
+                int64_t start = 0) {
   // Scores: q . k for every cached token of this sequence, walking its block table.
   const int64_t chunks = head_dim / 16;
   const bool fast = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
   if (fast) {
     for (int64_t t = 0; t < len; ++t) {
-      const T* k = kh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      const T* k = kh + (blocks[(start + t) / block_size] * block_size + (start + t) % block_size) * head_dim;
       __m512 kv[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + c * 16);
       for (int64_t g = 0; g < group; ++g) {
@@ -539,7 +541,7 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
     }
   } else {
     for (int64_t t = 0; t < len; ++t) {
-      const T* k = kh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      const T* k = kh + (blocks[(start + t) / block_size] * block_size + (start + t) % block_size) * head_dim;
       for (int64_t g = 0; g < group; ++g) {
         float dot = 0.f;
         for (int64_t i = 0; i < head_dim; ++i) dot += qf[g * head_dim + i] * to_float(k[i]);
@@ -558,7 +560,7 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
     for (int64_t g = 0; g < group; ++g)
       for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      const T* v = vh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      const T* v = vh + (blocks[(start + t) / block_size] * block_size + (start + t) % block_size) * head_dim;
       __m512 vv[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(v + c * 16);
       for (int64_t g = 0; g < group; ++g) {
@@ -571,7 +573,7 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
   } else {
     std::fill(acc, acc + group * head_dim, 0.f);
     for (int64_t t = 0; t < len; ++t) {
-      const T* v = vh + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+      const T* v = vh + (blocks[(start + t) / block_size] * block_size + (start + t) % block_size) * head_dim;
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * len + t];
         for (int64_t i = 0; i < head_dim; ++i) acc[g * head_dim + i] += p * to_float(v[i]);
@@ -585,11 +587,11 @@ void attend_one(const float* qf, const T* kh, const T* vh, const int64_t* blocks
 // sum in float32.
 void attend_one_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr, const uint8_t* kh,
                      const uint8_t* vh, const int64_t* blocks, int64_t len, int64_t bs, int64_t group,
-                     int64_t head_dim, float* scores, float* acc) {
+                     int64_t head_dim, float* scores, float* acc, int64_t start = 0) {
   const int64_t D = head_dim, bb = sluice::int8_block_bytes(bs, D);
   for (int64_t t = 0; t < len; ++t) {
-    const uint8_t* blk = kh + blocks[t / bs] * bb;
-    const int64_t off = t % bs;
+    const uint8_t* blk = kh + blocks[(start + t) / bs] * bb;
+    const int64_t off = (start + t) % bs;
     float ks;
     std::memcpy(&ks, blk + sluice::int8_scale_at(off), sizeof(ks));
     for (int64_t g = 0; g < group; ++g) {
@@ -603,8 +605,8 @@ void attend_one_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr
   for (int64_t g = 0; g < group; ++g) softmax_scalar(scores + g * len, len);
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const uint8_t* blk = vh + blocks[t / bs] * bb;
-    const int64_t off = t % bs;
+    const uint8_t* blk = vh + blocks[(start + t) / bs] * bb;
+    const int64_t off = (start + t) % bs;
     float vs;
     std::memcpy(&vs, blk + sluice::int8_scale_at(off), sizeof(vs));
     const int8_t* v = reinterpret_cast<const int8_t*>(blk + sluice::int8_v_at(off, bs, D));
@@ -641,10 +643,13 @@ void for_each_work(int64_t total, int64_t parts, int64_t num_kv_heads, const std
 // same attend_one as a decode would, so a token's output is the same bits whether it is
 // computed in a prompt chunk of any size or as a decode step, and whatever else shares
 // the batch: the batch-invariant attention of deterministic mode. Rows past the last
-// request (padding) come out as zeros.
+// request (padding) come out as zeros. window > 0 (a sliding-window layer): a token sees
+// only the last `window` keys up to itself; a token with more keys than that runs the plain
+// per-token routine from the window's start (the same one whatever the batch, so the
+// invariance holds), one with fewer the routine it would run anyway.
 at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor query_start,
-                                  at::Tensor seq_lens, double scale) {
+                                  at::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [tokens, heads, dim], cache [kv_heads, blocks, block, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   const bool int8_cache = k_cache.scalar_type() == at::kByte;
@@ -655,6 +660,7 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
   TORCH_CHECK(!int8_cache || (q.size(2) % 4 == 0 && k_cache.size(2) % 16 == 0),
               "an int8 cache takes head_dim a multiple of 4, blocks a multiple of 16 tokens");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads not a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window >= 0 (0: none)");
   auto bt = block_tables.to(at::kLong).contiguous();
   auto qs = query_start.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
@@ -694,7 +700,8 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
               acc = std::vector<float>(group * head_dim), scores = std::vector<float>(),
               vscales = std::vector<float>(), qcorr = std::vector<int32_t>(group),
               probs = std::vector<int16_t>()](int64_t work, int64_t t, int64_t h) mutable {
-        const int64_t len = tok_len[t];
+        const int64_t start = window > 0 && tok_len[t] > window ? tok_len[t] - window : 0;
+        const int64_t len = tok_len[t] - start;
         scores.resize(group * len);
         const uint8_t* kh = kp + h * head_elems;
         const uint8_t* vh = vp + h * head_elems;
@@ -705,7 +712,7 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
           qscale[g] = sluice::quantize_row_i8(qp + row + g * head_dim, head_dim, qi.data() + g * head_dim, &sum) * fscale;
           qcorr[g] = 128 * sum;
         }
-        if (fast) {
+        if (fast && start == 0) {
           const int64_t plen = (len + 15) / 16 * 16;
           probs.resize(group * plen);
           vscales.resize(plen + group * plen / 16);  // the V scales, then attend_int8's group scales
@@ -722,7 +729,7 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
           return;
         }
         attend_one_int8(qi.data(), qscale.data(), qcorr.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(),
-                        acc.data());
+                        acc.data(), start);
         for (int64_t i = 0; i < group * head_dim; ++i) op[row + i] = static_cast<B>(acc[i]);
       };
     });
@@ -737,14 +744,15 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
       return [&, qf = std::vector<float>(group * head_dim), acc = std::vector<float>(group * head_dim),
               scores = std::vector<float>(), probs = std::vector<uint16_t>()](int64_t work, int64_t t,
                                                                                int64_t h) mutable {
-        const int64_t len = tok_len[t];
+        const int64_t start = window > 0 && tok_len[t] > window ? tok_len[t] - window : 0;
+        const int64_t len = tok_len[t] - start;
         scores.resize(group * len);
         const T_* kh = kp + h * num_blocks * block_size * head_dim;
         const T_* vh = vp + h * num_blocks * block_size * head_dim;
         const int64_t* blocks = btp + tok_req[t] * max_blocks;
         const int64_t row = (t * num_heads + h * group) * head_dim;  // the group's q and output rows
         if constexpr (std::is_same_v<T_, c10::BFloat16>) {
-          if (fast_bf16) {
+          if (fast_bf16 && start == 0) {
             probs.resize(group * (len + 1));
             Prefetching pf;
             pf.on = qsp[tok_req[t] + 1] - qsp[tok_req[t]] == 1;  // a decode
@@ -763,10 +771,10 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
           const T_* src = qp + (t * num_heads + h * group + g) * head_dim;
           for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
         }
-        if (fixed) {
+        if (fixed && start == 0) {
           fixed(qf.data(), kh, vh, blocks, len, block_size, scores.data(), acc.data());
         } else
-        attend_one(qf.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(), acc.data());
+        attend_one(qf.data(), kh, vh, blocks, len, block_size, group, head_dim, scores.data(), acc.data(), start);
         for (int64_t g = 0; g < group; ++g) {
           T_* dst = op + (t * num_heads + h * group + g) * head_dim;
           for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T_>(acc[g * head_dim + i]);
@@ -790,5 +798,5 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   return paged_attention_varlen(q, k_cache, v_cache, block_tables,
                                 at::arange(seq_lens.size(0) + 1, seq_lens.options().dtype(at::kLong)),
-                                seq_lens, scale);
+                                seq_lens, scale, 0);
 }
