@@ -131,6 +131,12 @@ def make_tiny_config(kind: str):
         return Qwen2Config(**TINY_COMMON, tie_word_embeddings=True)
     if kind == "qwen3":
         return Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True)
+    if kind == "mistral":  # every layer a sliding window of 8 keys, shorter than the test prompts
+        from transformers import MistralConfig
+        return MistralConfig(**TINY_COMMON, sliding_window=8, tie_word_embeddings=False)
+    if kind == "qwen2-yarn":  # YaRN: 8x past a 64-token original context, so the ramp and the temperature matter
+        return Qwen2Config(**TINY_COMMON, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
     if kind == "gemma3":
         # Gemma 3's shape in small: sliding-window layers (a window of 8, so that every test
         # prompt outgrows it) around a global one, each kind with its own RoPE (the global

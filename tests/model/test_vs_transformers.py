@@ -30,7 +30,7 @@ def hf_greedy(model, prompt_ids: list[int], n: int):
     return ids[len(prompt_ids):], logprobs
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "qwen2-yarn", "gemma3"])
 def test_tiny_checkpoint_matches_transformers(kind, tiny_checkpoint):
     """Greedy tokens identical and logprobs within fp32 tolerance, three prompts in one batch."""
     from transformers import AutoModelForCausalLM
@@ -87,3 +87,20 @@ def test_sharded_safetensors_load_the_same(tiny_checkpoint, tmp_path):
     whole = LLM(model=str(src), dtype="float32", num_blocks=16).generate(PROMPTS, params)
     shards = LLM(model=str(tmp_path), dtype="float32", num_blocks=16).generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in shards]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic' is not supported"),
+    ({"architectures": ["FalconForCausalLM"]}, "unsupported architecture"),
+])
+def test_unsupported_config_fails_in_one_line(change, message, tiny_checkpoint, tmp_path):
+    """A config naming what we cannot run is one ValueError at load, naming it and what is supported."""
+    import json
+    import shutil
+    src = tiny_checkpoint("llama")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=16)

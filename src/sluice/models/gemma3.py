@@ -28,8 +28,6 @@ _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 @dataclass
 class Gemma3Arch(LlamaArch):
-    # Per layer: the keys a query sees, itself included (0: every key before it).
-    layer_windows: tuple[int, ...] = ()
     rope_local_theta: float = 10000.0
     embed_scale: float = 1.0
     attn_scale: float = 1.0

@@ -1,7 +1,8 @@
-"""Llama-family decoder over one flat batch of tokens (Llama, SmolLM2, Qwen2, Qwen3).
+"""Llama-family decoder over one flat batch of tokens (Llama, SmolLM2, Mistral, Qwen2, Qwen3).
 
-Grouped-query attention, RoPE (default and llama3 scaling), RMSNorm, SwiGLU MLP,
-tied or separate LM head, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+Grouped-query attention, RoPE (plain, linear, llama3 and YaRN scaling), RMSNorm, SwiGLU MLP,
+tied or separate LM head, optional q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3) and
+sliding-window layers (Mistral; a config's layer_types).
 Q/K/V and gate/up are fused into one matmul each; weights load from Hugging Face names.
 
 Architecture and weight loading only: which implementation runs each op is the backend's
@@ -42,6 +43,9 @@ class LlamaArch:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    # Per layer: the keys a query sees, itself included (0: every key before it); empty
+    # where no layer has a sliding window (Mistral's sliding_window, a config's layer_types).
+    layer_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg) -> "LlamaArch":
@@ -52,11 +56,18 @@ class LlamaArch:
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         scaling = rope or getattr(cfg, "rope_scaling", None) or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope scaling {scaling}")
-        scaling = scaling if rope_type == "llama3" else None
+        scaling = check_rope_scaling(scaling)
+        if (getattr(cfg, "partial_rotary_factor", None) or 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {cfg.partial_rotary_factor} is not supported (RoPE on the whole head)")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
+        window = int(getattr(cfg, "sliding_window", None) or 0)
+        types = list(getattr(cfg, "layer_types", None) or [])
+        if model_type == "mistral" and window:
+            windows = (window,) * cfg.num_hidden_layers
+        elif window and types and (model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
+            windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+        else:
+            windows = ()
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -73,7 +84,48 @@ class LlamaArch:
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias,
             qk_norm=model_type == "qwen3",
+            layer_windows=windows if any(windows) else (),
         )
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def check_rope_scaling(scaling: dict | None) -> dict | None:
+    """The rope scaling record a config names, or None for plain RoPE; ValueError for a kind
+    we do not run. Dynamic NTK is refused: its frequencies follow each sequence's current
+    length, which K rotated once and kept in a paged cache cannot follow."""
+    scaling = dict(scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}): "
+                         f"{scaling}")
+    if rope_type == "default":
+        return None
+    scaling["rope_type"] = rope_type
+    return scaling
+
+
+def rope_attention_factor(arch: LlamaArch) -> float:
+    """The factor cos and sin are scaled by (YaRN's attention temperature; 1 otherwise)."""
+    s = arch.rope_scaling
+    if not s or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor = _yarn_factor(arch)
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_factor(arch: LlamaArch) -> float:
+    s = arch.rope_scaling
+    original = s.get("original_max_position_embeddings") or arch.max_position_embeddings
+    return s["factor"] if s.get("factor") is not None else arch.max_position_embeddings / original
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -82,6 +134,24 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     s = arch.rope_scaling
     if s and s.get("rope_type", s.get("type")) == "linear":
         inv_freq = inv_freq / s["factor"]
+    if s and s.get("rope_type", s.get("type")) == "yarn":
+        # YaRN (transformers' _compute_yarn_parameters): interpolated frequencies below a
+        # ramp over the dimensions, the original ones above it.
+        factor, base = _yarn_factor(arch), arch.rope_theta
+        original = s.get("original_max_position_embeddings") or arch.max_position_embeddings
+
+        def corr_dim(rotations: float) -> float:
+            return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        low, high = corr_dim(s.get("beta_fast") or 32), corr_dim(s.get("beta_slow") or 1)
+        if s.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+        extrapolation = 1 - ramp
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     if s and s.get("rope_type", s.get("type")) == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
@@ -96,15 +166,19 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor,
-                 table: tuple[torch.Tensor, torch.Tensor] | None):
+                 table: tuple[torch.Tensor, torch.Tensor] | None, factor: float = 1.0):
     """cos and sin [T, 1, D] of each position: from the table where there is one, else
-    computed in fp32 and applied in the model dtype (the 1 broadcasts over heads)."""
+    computed in fp32 (times `factor`, YaRN's) and applied in the model dtype (the 1
+    broadcasts over heads)."""
     if table is not None:
         cos, sin = table
         return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
     freqs = positions.float()[:, None] * inv_freq[None, :].float()
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class RMSNorm(nn.Module):
@@ -215,10 +289,13 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, i: int) -> nn.Module:
         """Decoder layer i (a subclass's own kind of layer)."""
-        return DecoderLayer(self.arch, self.tp)
+        layer = DecoderLayer(self.arch, self.tp)
+        if self.arch.layer_windows:
+            layer.self_attn.window = self.arch.layer_windows[i]
+        return layer
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(positions, dtype, self.inv_freq, self.rope_table)
+        return rope_cos_sin(positions, dtype, self.inv_freq, self.rope_table, rope_attention_factor(self.arch))
 
     def fix_rope_tables(self, max_positions: int, dtype: torch.dtype) -> None:
         """One cos/sin table for every position, built once (deterministic mode)."""

@@ -132,11 +132,42 @@ def gguf_linear_types(src: ModelSource) -> set[str]:
 def load_hf_config(src: ModelSource):
     from transformers import AutoConfig
     if src.is_gguf:
-        converted = gguf_converted(src)
-        if converted is not None:
-            return AutoConfig.from_pretrained(str(converted))
-        return AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
+        check_gguf(src.path)
+        try:
+            converted = gguf_converted(src)
+            if converted is not None:
+                return AutoConfig.from_pretrained(str(converted))
+            return AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{src.path}: transformers cannot read this GGUF's metadata "
+                             f"({type(e).__name__}: {e})") from None
     return AutoConfig.from_pretrained(str(src.path))
+
+
+def check_gguf(path: Path) -> None:
+    """One ValueError naming what is wrong with a GGUF file whose header does not parse, whose
+    tensors run past its end (a truncated download) or are of a type the gguf package
+    cannot read; before anything reads it further (transformers' reader fails deep inside)."""
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    try:
+        meta, tensors, data = read_gguf(path)
+    except (struct.error, UnicodeDecodeError, KeyError, OverflowError, MemoryError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+    if "general.architecture" not in meta:
+        raise ValueError(f"{path}: GGUF metadata names no general.architecture")
+    for t in tensors:
+        try:
+            qtype = GGMLQuantizationType(t.ggml_type)
+            block, size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path}: tensor {t.name} has GGML type {t.ggml_type}, which the gguf package "
+                             "cannot read") from None
+        end = t.offset + int(np.prod(t.shape)) * size // block
+        if end > len(data):
+            raise ValueError(f"{path}: tensor {t.name} ends at byte {end:,} but the file has {len(data):,}: "
+                             "the file is truncated")
 
 
 # Bump when what gguf_converted writes changes.

@@ -9,10 +9,12 @@ _MODELS = {
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaArch),
+    "MistralForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, Gemma3Arch),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _classes(hf_config):
