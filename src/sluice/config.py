@@ -125,6 +125,9 @@ class StructuredOutputsConfig:
     grammar_cache_size: int = 64
     # A grammar still compiling after this many seconds is refused (the server's 400).
     grammar_compile_timeout_s: float = 10.0
+    # A thinking model's format (sluice/reasoning.py FORMATS: "qwen3", "deepseek_r1"): its
+    # reasoning is split from the answer, and grammars apply to the answer only. None: off.
+    reasoning_parser: str | None = None
 
 
 SPECULATIVE_METHODS = (None, "ngram", "suffix")
@@ -220,6 +223,9 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g.grammar_cache_size!r}")
         if not g.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0 seconds, got {g.grammar_compile_timeout_s}")
+        from sluice.reasoning import FORMATS
+        if g.reasoning_parser is not None and g.reasoning_parser not in FORMATS:
+            raise ValueError(f"unknown reasoning_parser {g.reasoning_parser!r}; supported: {', '.join(FORMATS)}")
         tp = self.parallel.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

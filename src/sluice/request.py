@@ -84,6 +84,10 @@ class Request:
         self.num_prompt_logprobs = 0
         # structured_outputs: its structured.grammar.Grammar (parser state), else None.
         self.grammar = None
+        # A thinking model's grammar waits here until token grammar_after (the end of its
+        # reasoning) is sampled; then it becomes `grammar` (sluice/reasoning.py).
+        self.held_grammar = None
+        self.grammar_after: int | None = None
         # Speculative decoding: its recent drafted and accepted counts (decaying; spec/gate.py).
         self.spec_drafted = 0.0
         self.spec_accepted = 0.0

@@ -543,6 +543,8 @@ class Scheduler:
             # Masked sampling only picks allowed tokens; this is a grammar engine fault.
             logger.warning("request %s: its grammar refused sampled token %d (%s); ending it",
                            req.request_id, sampled.token_id, req.grammar.error[:200])
+        if req.held_grammar is not None and sampled.token_id == req.grammar_after:
+            req.grammar, req.held_grammar = req.held_grammar, None  # the answer begins: so does its grammar
         if req.logprobs is not None and sampled.logprobs is not None:
             req.logprobs.append({tid: Logprob(lp, rank) for tid, lp, rank in sampled.logprobs})
 

@@ -36,6 +36,7 @@ from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
+from sluice.reasoning import resolve as resolve_reasoning
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
 from sluice.worker.model_runner import Launched, RunnerTimings
@@ -146,6 +147,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids, shard.model.arch.vocab_size,
                                         cache_size=config.structured.grammar_cache_size,
                                         compile_timeout_s=config.structured.grammar_compile_timeout_s)
+        # A thinking model's format: its grammars wait for the end of the thinking.
+        self.reasoning = (resolve_reasoning(config.structured.reasoning_parser, self.tokenizer)
+                          if config.structured.reasoning_parser else None)
         self.runner = shard.runner
         self.runner.set_grammar_mask_width(self.grammars.mask_width)
         self.runner.tp = self.tp
@@ -222,7 +226,12 @@ class LLMEngine:
                                     share_key=request_id if params.n > 1 else None,
                                     session_id=session_id, tenant=tenant or "", priority=priority))
             if grammar is not None:
-                children[-1].grammar = grammar if i == 0 else grammar.copy()
+                own = grammar if i == 0 else grammar.copy()
+                if self.reasoning is not None and not self.reasoning.ended_in_prompt(ids):
+                    # The grammar applies to the answer: held until the thinking's end tag is sampled.
+                    children[-1].held_grammar, children[-1].grammar_after = own, self.reasoning.end_id
+                else:
+                    children[-1].grammar = own
         self.outputs.add(request_id, text, ids, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -503,6 +512,9 @@ class LLMEngine:
         sampled = [e for e in plan.scheduled if e.needs_logits]
         if any(e.grammar is not None or e.params.has_penalties for e in sampled):
             return True
+        if self.reasoning is not None and any(getattr(self.scheduler.requests.get(e.request_id), "held_grammar", None)
+                                              is not None for e in sampled):
+            return True  # its grammar may start with this step's token
         spec = self.scheduler.spec
         return spec is not None and bool(sampled) and spec.may_draft(len(sampled))
 

@@ -83,6 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="structured outputs: seconds a grammar may take to compile before the request is "
                         "refused (default 10)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="a thinking model's <think>...</think> format: its reasoning goes to reasoning_content (chat) "
+                        "and a reasoning item (Responses), and structured outputs and tool calls apply to the answer "
+                        "after it (default: off)")
     g.add_argument("--speculative-method", default="ngram", choices=["ngram", "suffix", "off"],
                    help="speculative decoding without a draft model: ngram = prompt lookup in the request's own "
                         "prompt and output; suffix = that and the tenant's recent outputs; off. Lossless; run only "
@@ -120,7 +124,7 @@ def engine_kwargs(args) -> dict:
                 max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
                 target_tpot_ms=args.target_tpot_ms, async_scheduling=args.async_scheduling,
                 grammar_cache_size=args.grammar_cache_size,
-                grammar_compile_timeout_s=args.grammar_compile_timeout,
+                grammar_compile_timeout_s=args.grammar_compile_timeout, reasoning_parser=args.reasoning_parser,
                 speculative_method=None if args.speculative_method == "off" else args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_gate=args.speculative_gate, speculative_min_match=args.speculative_min_match,
                 suffix_cache_tokens=args.suffix_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,

@@ -34,7 +34,7 @@ def can_speculate(req) -> bool:
     so those requests decode one token at a time (as they would with speculation off); so
     does one that opted out, and one whose min_tokens still bans its stop tokens."""
     p = req.params
-    return (p.speculative and not p.has_penalties and req.grammar is None
+    return (p.speculative and not p.has_penalties and req.grammar is None and req.held_grammar is None
             and req.num_output_tokens >= p.min_tokens)
 
 

@@ -262,6 +262,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # A thinking model's reasoning, apart from the answer (--reasoning-parser; vLLM's field).
+    reasoning_content: str | None = None
     tool_calls: list[dict] | None = None
 
 
@@ -291,6 +293,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict] | None = None
 
 

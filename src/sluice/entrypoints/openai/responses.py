@@ -121,13 +121,15 @@ def input_messages(items, field_name: str = "input") -> list[dict]:
                                param=field_name)
             text = output if isinstance(output, str) else _text({"content": output}, where)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking, sent back: the history holds answers only
         else:
-            raise APIError(400, f"{where}: unsupported input item type {kind!r} (message, function_call and "
-                                f"function_call_output are)", param=field_name)
+            raise APIError(400, f"{where}: unsupported input item type {kind!r} (message, function_call, "
+                                f"function_call_output and reasoning are)", param=field_name)
     return out
 
 
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def input_items_of(items) -> list[dict]:
@@ -196,8 +198,8 @@ def text_format_spec(text: TextOptions | None) -> StructuredOutputsParams | None
                    param="text")
 
 
-def output_items(content: str | None, calls: list[ToolCall]) -> list[dict]:
-    items = []
+def output_items(content: str | None, calls: list[ToolCall], reasoning: str | None = None) -> list[dict]:
+    items = [reasoning_item(_id("rs"), reasoning, "completed")] if reasoning else []
     if content:
         items.append(message_item(_id("msg"), content, "completed"))
     items.extend(call_item(c, "completed") for c in calls)
@@ -207,6 +209,12 @@ def output_items(content: str | None, calls: list[ToolCall]) -> list[dict]:
 def message_item(item_id: str, text: str, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """A thinking model's reasoning (--reasoning-parser), as the Responses API's reasoning item."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict:
@@ -242,10 +250,16 @@ def response_object(rid: str, req: ResponsesRequest, model: str, status: str, ou
     }
 
 
-def response_usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
+def response_usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
+
+
+def reasoning_tokens(token_ids, end_id: int | None) -> int:
+    """Output tokens up to and including the thinking's end tag (all of them if it never closed)."""
+    ids = list(token_ids)
+    return ids.index(end_id) + 1 if end_id in ids else len(ids)
 
 
 class Events:
@@ -307,12 +321,14 @@ class ResponsesServing:
             return self._stream(rid, req, started, tools, conversation, session_id, tenant)
         (final,) = await s._finals(started)
         c = final.outputs[0]
-        content, calls = tools.parse(c.text)
-        output = output_items(content, calls)
+        reasoning, answer = s.split_reasoning(c.text, started.prompt_ids[0])
+        content, calls = tools.parse(answer)
+        output = output_items(content, calls, reasoning)
         incomplete = "max_output_tokens" if c.finish_reason == "length" else None
+        thought = reasoning_tokens(c.token_ids, s.reasoning.end_id) if reasoning else 0
         resp = response_object(rid, req, s.model_name, "incomplete" if incomplete else "completed", output,
                                response_usage(len(started.prompt_ids[0]), len(c.token_ids),
-                                              final.num_cached_tokens), incomplete)
+                                              final.num_cached_tokens, thought), incomplete)
         self._keep(req, tenant, resp, conversation, session_id)
         return resp
 
@@ -329,8 +345,10 @@ class ResponsesServing:
         yield ev("response.created", response=response_object(rid, req, model, "in_progress", [], None))
         yield ev("response.in_progress", response=response_object(rid, req, model, "in_progress", [], None))
         parser = StreamParser(tools.tools) if tools.active else None
+        splitter = s.reasoning.splitter(started.prompt_ids[0]) if s.reasoning is not None else None
         output: list[dict] = []
         msg = None          # the open message item: (output index, id, text so far)
+        thinking = None     # the open reasoning item: (output index, id, text so far)
         sent = 0
         try:
             async for _, out in _merge(started.streams):
@@ -340,6 +358,24 @@ class ResponsesServing:
                 c = out.outputs[0]
                 delta = c.text[sent:]
                 sent = len(c.text)
+                thought = ""
+                if splitter is not None:
+                    thought, delta = splitter.feed(delta, final=c.finished)
+                if thought:
+                    if thinking is None:
+                        thinking = [len(output), _id("rs"), ""]
+                        output.append(reasoning_item(thinking[1], "", "in_progress"))
+                        yield ev("response.output_item.added", output_index=thinking[0],
+                                 item={**output[thinking[0]], "content": []})
+                        yield ev("response.content_part.added", item_id=thinking[1], output_index=thinking[0],
+                                 content_index=0, part={"type": "reasoning_text", "text": ""})
+                    thinking[2] += thought
+                    yield ev("response.reasoning_text.delta", item_id=thinking[1], output_index=thinking[0],
+                             content_index=0, delta=thought)
+                if thinking is not None and (delta or c.finished or splitter.state == "answer"):
+                    for e in self._close_reasoning(ev, output, thinking):
+                        yield e
+                    thinking = None
                 calls: list[ToolCall] = []
                 if parser is not None:
                     delta, calls = parser.feed(delta, final=c.finished)
@@ -370,9 +406,11 @@ class ResponsesServing:
                     yield ev("response.output_item.done", output_index=index, item=item)
                 if c.finished:
                     incomplete = "max_output_tokens" if c.finish_reason == "length" else None
+                    thought = (reasoning_tokens(c.token_ids, s.reasoning.end_id)
+                               if any(it["type"] == "reasoning" for it in output) else 0)
                     resp = response_object(rid, req, model, "incomplete" if incomplete else "completed", output,
                                            response_usage(len(started.prompt_ids[0]), len(c.token_ids),
-                                                          out.num_cached_tokens), incomplete)
+                                                          out.num_cached_tokens, thought), incomplete)
                     self._keep(req, tenant, resp, conversation, session_id)
                     yield ev("response.incomplete" if incomplete else "response.completed", response=resp)
         except _ENGINE_ERRORS as e:
@@ -380,6 +418,15 @@ class ResponsesServing:
             yield ev("error", code=err.code, message=err.message, param=None)
         finally:
             s._abort(started)
+
+    @staticmethod
+    def _close_reasoning(ev, output, thinking):
+        index, item_id, text = thinking
+        output[index] = reasoning_item(item_id, text, "completed")
+        part = output[index]["content"][0]
+        yield ev("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text)
+        yield ev("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
+        yield ev("response.output_item.done", output_index=index, item=output[index])
 
     @staticmethod
     def _close_message(ev, output, msg):

@@ -215,6 +215,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.limits = limits or ServingLimits()
         self.tokenizer = engine.engine.tokenizer
+        # --reasoning-parser: a thinking model's format (sluice/reasoning.py), else None.
+        self.reasoning = getattr(engine.engine, "reasoning", None)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
         self._tokenizer_info: dict | None = None
 
@@ -527,10 +529,13 @@ class OpenAIServing:
         (final,) = await self._finals(started)
         choices = []
         for c in final.outputs:
-            content, calls = tools.parse(c.text)
+            reasoning, answer = self.split_reasoning(c.text, started.prompt_ids[0])
+            content, calls = tools.parse(answer)
+            if reasoning is not None and not content:
+                content = None  # all of it was thinking
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(
-                index=c.index, message=ChatResponseMessage(content=content,
+                index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                            tool_calls=[k.as_openai() for k in calls] or None),
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0) if req.logprobs else None,
                 finish_reason=finish, stop_reason=c.stop_reason,
@@ -543,6 +548,13 @@ class OpenAIServing:
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
                                       prompt_logprobs=prompt_lps, weight_version=final.weight_version,
                                       prompt_token_ids=list(started.prompt_ids[0]) if req.return_token_ids else None)
+
+    def split_reasoning(self, text: str, prompt_ids: list[int]) -> tuple[str | None, str]:
+        """(reasoning, answer) of a whole output: no reasoning without --reasoning-parser."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, answer = self.reasoning.split(text, prompt_ids)
+        return reasoning, answer or ""
 
     def _render_chat(self, messages: list[dict], tools: "ChatTools | None" = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -571,6 +583,7 @@ class OpenAIServing:
     async def _chat_stream(self, cid: str, req: ChatCompletionRequest, started: _Started, tools: "ChatTools"):
         progress: dict[int, _Progress] = {}
         parsers: dict[int, tool_calls.StreamParser] = {}
+        splitters = {}  # per choice, with --reasoning-parser: its reasoning apart from its answer
         completion_tokens = 0
         top_n = req.top_logprobs or 0
         cached = 0
@@ -612,13 +625,24 @@ class OpenAIServing:
                     if req.logprobs and new_tokens:
                         lp = self._chat_logprobs(c.logprobs[p.tokens:], new_tokens, top_n)
                     p.text_len, p.tokens = len(c.text), len(c.token_ids)
+                    thought = ""
+                    if self.reasoning is not None:  # the thinking first, as its own deltas
+                        splitter = splitters.get(c.index)
+                        if splitter is None:
+                            splitter = splitters[c.index] = self.reasoning.splitter(started.prompt_ids[0])
+                        thought, delta = splitter.feed(delta, final=c.finished)
                     calls = []
                     if tools.active:  # content until a <tool_call> begins; each call once it closes
                         parser = parsers.setdefault(c.index, tools.stream_parser())
                         delta, calls = parser.feed(delta, final=c.finished)
                     # (return_token_ids: every new token is sent, also while a tool call's
                     # text is held back by the parser.)
-                    if delta or lp is not None or (req.return_token_ids and new_tokens):
+                    if thought:
+                        yield emit(out, ChatStreamChoice(index=c.index, delta=DeltaMessage(reasoning_content=thought),
+                                                         logprobs=None if delta else lp,
+                                                         token_ids=None if delta or not req.return_token_ids
+                                                         else list(new_tokens)))
+                    if delta or (not thought and (lp is not None or (req.return_token_ids and new_tokens))):
                         yield emit(out, ChatStreamChoice(
                             index=c.index, delta=DeltaMessage(content=delta), logprobs=lp,
                             token_ids=list(new_tokens) if req.return_token_ids else None))
