@@ -2,7 +2,8 @@
 otherwise, speculation off), for each c in --concurrency c requests of 64 random prompt
 tokens, the mean wall time of their decode steps after the first three steps, in ms.
 
-    python benchmarks/decode_steps.py [--cpu-isa avx512] [--quantization auto] [--concurrency 1,2,4,8,16,32]
+    python benchmarks/decode_steps.py [--model gemma3-270m] [--cpu-isa avx512] [--quantization auto]
+                                      [--concurrency 1,2,4,8,16,32]
 
 Prints one JSON line. For an A/B of two revisions run it alternately with PYTHONPATH set to
 each one's src/ (docs/benchmarks.md, "w4a8 nibbles").
@@ -21,11 +22,12 @@ from pathlib import Path
 def main() -> int:
     from sluice import LLMEngine, SamplingParams
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--cpu-isa", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
     args = ap.parse_args()
-    engine = LLMEngine.from_kwargs(speculative_method=None, cpu_isa=args.cpu_isa,
+    engine = LLMEngine.from_kwargs(model=args.model, speculative_method=None, cpu_isa=args.cpu_isa,
                                    quantization=None if args.quantization == "none" else args.quantization,
                                    max_num_seqs=max(args.concurrency))
     rng = random.Random(0)

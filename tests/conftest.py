@@ -137,6 +137,16 @@ def make_tiny_config(kind: str):
     if kind == "qwen2-yarn":  # YaRN: 8x past a 64-token original context, so the ramp and the temperature matter
         return Qwen2Config(**TINY_COMMON, tie_word_embeddings=True, rope_parameters={
             "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    # Three layers, so that a sparse one sits in the middle (the layers w8a8 and w4a8 quantize).
+    if kind == "qwen3-moe":  # 8 experts, top 2 renormalised; layer 2 dense (mlp_only_layers)
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(**{**TINY_COMMON, "num_hidden_layers": 3}, head_dim=32, tie_word_embeddings=True,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                              mlp_only_layers=[2])
+    if kind == "mixtral":  # 4 experts of intermediate_size, top 2
+        from transformers import MixtralConfig
+        return MixtralConfig(**{**TINY_COMMON, "num_hidden_layers": 3}, num_local_experts=4, num_experts_per_tok=2,
+                             tie_word_embeddings=False)
     if kind == "gemma3":
         # Gemma 3's shape in small: sliding-window layers (a window of 8, so that every test
         # prompt outgrows it) around a global one, each kind with its own RoPE (the global

@@ -46,6 +46,15 @@ class LlamaArch:
     # Per layer: the keys a query sees, itself included (0: every key before it); empty
     # where no layer has a sliding window (Mistral's sliding_window, a config's layer_types).
     layer_windows: tuple[int, ...] = ()
+    # Mixture of experts (models/moe.py; 0 experts: dense). sparse_layers: per layer, whether
+    # its MLP is the experts; router_weights_in_dtype: the routing weights rounded to the
+    # model dtype before weighting (Qwen3-MoE) or kept in float32 (Mixtral).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_weights_in_dtype: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg) -> "LlamaArch":
@@ -68,6 +77,20 @@ class LlamaArch:
             windows = tuple(window if t == "sliding_attention" else 0 for t in types)
         else:
             windows = ()
+        moe = {}
+        if model_type == "qwen3_moe" and getattr(cfg, "num_experts", 0):
+            step, dense = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or [])
+            moe = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                       moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob),
+                       router_weights_in_dtype=True,
+                       sparse_layers=tuple(i not in dense and (i + 1) % step == 0
+                                           for i in range(cfg.num_hidden_layers)))
+        elif model_type == "mixtral":
+            moe = dict(num_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                       moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=True,
+                       sparse_layers=(True,) * cfg.num_hidden_layers)
+        if moe and getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"mixture of experts with hidden_act {cfg.hidden_act!r} is not supported (silu)")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -83,8 +106,9 @@ class LlamaArch:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             layer_windows=windows if any(windows) else (),
+            **moe,
         )
 
 
@@ -239,10 +263,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE):
+    def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(arch, tp)
-        self.mlp = MLP(arch, tp)
+        self.mlp = mlp if mlp is not None else MLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -287,9 +311,16 @@ class LlamaForCausalLM(nn.Module):
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fast_forward = None
 
-    def make_layer(self, i: int) -> nn.Module:
-        """Decoder layer i (a subclass's own kind of layer)."""
-        layer = DecoderLayer(self.arch, self.tp)
+    @property
+    def stackable(self) -> bool:
+        """Whether the layers are the plain shape a backend's one-call decoder stack computes
+        (no per-head norms, sliding windows or experts)."""
+        a = self.arch
+        return type(self) is LlamaForCausalLM and not a.qk_norm and not a.layer_windows and not a.num_experts
+
+    def make_layer(self, i: int, mlp: nn.Module | None = None) -> nn.Module:
+        """Decoder layer i (a subclass's own kind of layer; mlp: another MLP than the dense one)."""
+        layer = DecoderLayer(self.arch, self.tp, mlp)
         if self.arch.layer_windows:
             layer.self_attn.window = self.arch.layer_windows[i]
         return layer

@@ -4,16 +4,20 @@ from __future__ import annotations
 from sluice.distributed.parallel import SINGLE, TPShard, check_tp_size
 from sluice.models.gemma3 import Gemma3Arch, Gemma3ForCausalLM
 from sluice.models.llama import LlamaArch, LlamaForCausalLM
+from sluice.models.moe import MoEForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaArch),
     "MistralForCausalLM": (LlamaForCausalLM, LlamaArch),
+    "Qwen3MoeForCausalLM": (MoEForCausalLM, LlamaArch),
+    "MixtralForCausalLM": (MoEForCausalLM, LlamaArch),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, Gemma3Arch),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM"}
 
 

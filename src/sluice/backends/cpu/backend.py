@@ -393,7 +393,7 @@ class CpuBackend(Backend):
                 packed_int8 = k.head_w8a7_pack(q) if seven_bit else k.w8a8_pack_weight(q)
                 model.greedy_head = GreedyHead(k, packed_int8, scale.float().contiguous(), head.packed,
                                                model.arch.vocab_size, seven_bit)
-        if self.stack and not model.arch.qk_norm:
+        if self.stack and model.stackable:
             model.fast_forward = StackForward(build_stack(model, k))
         if self.deterministic and model.rope_table is None:
             # One cos/sin table for every position, built once: computing them per batch runs
