@@ -46,6 +46,7 @@ class Tokenizer:
                 eos.update(int(t) for t in source)
         template = getattr(tok, "chat_template", None)
         if isinstance(template, str):
+            check_template(template)
             vocab = tok.get_vocab()
             eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template)
         return cls(tok, eos)
@@ -121,6 +122,21 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
         # The rendered template already holds its special tokens (BOS included, if any).
         return self.encode(self.apply_chat_template(messages, **template_args), add_special_tokens=False)
+
+
+def check_template(template: str) -> None:
+    """ValueError, at load, for a chat template that does not compile (a syntax error would
+    otherwise surface as a 400 on every chat request)."""
+    import jinja2
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # transformers moved it: the first chat request finds out instead
+        return
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateError as e:
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"the model's chat template does not compile{line}: {e}") from None
 
 
 # init_kwargs that name this machine's files, not the tokenizer.

@@ -105,3 +105,16 @@ def test_unsupported_config_fails_in_one_line(change, message, tiny_checkpoint, 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=16)
+
+
+def test_chat_template_that_does_not_compile_fails_at_load(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+    shutil.copytree(tiny_checkpoint("llama"), tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in tmp_path.glob("chat_template.j*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="chat template does not compile"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=16)

@@ -19,9 +19,9 @@ from sluice.backends.cuda import ops as tops  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale):
+def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window=0):
     """Each request's keys gathered through its block table, each query at position p
-    attending to keys 0..p, in float64."""
+    attending to keys 0..p (p - window + 1..p with a window), in float64."""
     hkv, _, bs, d = k_cache.shape
     g = q.shape[1] // hkv
     out = torch.zeros_like(q, dtype=torch.float64)
@@ -35,6 +35,8 @@ def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scal
         s = qq @ k.transpose(1, 2) * scale
         pos = torch.arange(n - ql, n)[:, None]
         s = s.masked_fill(torch.arange(n)[None, :] > pos, float("-inf"))
+        if window:
+            s = s.masked_fill(torch.arange(n)[None, :] <= pos - window, float("-inf"))
         out[lo:hi] = (torch.softmax(s, -1) @ v).transpose(0, 1)
     return out
 
@@ -102,6 +104,26 @@ def test_split_k_decode_matches_the_reference(splits):
     longest = max(c + 1 for c, _ in chunks)
     split_len = -(-longest // splits)
     got = ta.decode_attention(q, kc, vc, bt, sl, splits, split_len, 32 ** -0.5)
+    assert (got.double().cpu() - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_in_both_kernels(window):
+    """A sliding-window layer (Gemma 3, Mistral): the flat kernel's prompt chunks and decodes
+    and the split-K decode each see only the last `window` keys of a query."""
+    rng = random.Random(window)
+    chunks = [(0, 37), (10, 1), (31, 17), (100, 1), (3, 2)]
+    q, kc, vc, bt, sl, qs = make_batch(rng, chunks, 6, 2, 32, 16)
+    want = ref_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), sl.cpu(), qs.cpu(), 32 ** -0.5, window)
+    block_q = ta.block_q_for(3, 37)
+    reqs, q0s = ta.varlen_tiles(qs.tolist(), block_q)
+    got = ta.varlen_attention(q, kc, vc, bt, sl, qs, torch.tensor(reqs, dtype=torch.int32, device=DEVICE),
+                              torch.tensor(q0s, dtype=torch.int32, device=DEVICE), block_q, 32 ** -0.5, window=window)
+    assert (got.double().cpu() - want).abs().max() < 1e-4
+    decodes = [(200, 1), (5, 1), (129, 1)]
+    q, kc, vc, bt, sl, qs = make_batch(rng, decodes, 8, 2, 32, 16)
+    want = ref_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), sl.cpu(), qs.cpu(), 32 ** -0.5, window)
+    got = ta.decode_attention(q, kc, vc, bt, sl, 4, 51, 32 ** -0.5, window=window)
     assert (got.double().cpu() - want).abs().max() < 1e-4
 
 

@@ -25,11 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-def is_windowed(arch) -> bool:
-    """Whether some layer of the model attends a sliding window (arch.layer_windows: Gemma 3)."""
-    return any(getattr(arch, "layer_windows", ()))
-
-
 @dataclass
 class PrefillChunk:
     """A prompt chunk that attention computes on its own (the torch path's SDPA call)."""

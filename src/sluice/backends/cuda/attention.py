@@ -13,7 +13,8 @@ blocks are read once for all of them), padded to a power of two of at least 16 f
 tl.dot. It walks the request's block table up to the last key any of its rows sees, with
 an online softmax; each query at position p (the chunk's tokens are the last q_len of
 the request's seq_len) sees keys 0..p, so prefix hits (keys computed by another
-request) and chunked prefill need nothing special. Scores and the softmax are float32;
+request) and chunked prefill need nothing special. A sliding-window layer (`window` > 0)
+sees keys p - window + 1..p: the walk starts at the tile's first row's window. Scores and the softmax are float32;
 the products run in the cache's dtype with float32 sums, as flash attention does.
 
 `decode_attention`: a decode-only step (one query a request) over contexts long enough
@@ -69,7 +70,7 @@ def _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE: tl.constexp
 
 
 @triton.jit
-def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
+def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale, window,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_ks, stride_bt,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                    ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -90,19 +91,21 @@ def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, 
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     pos = ctx + tok
-    # The last key any row of this tile sees (exclusive).
+    # The last key any row of this tile sees (exclusive), and the first (its first row's window).
     last = tl.minimum(ctx + q0 + BLOCK_Q, seq_len)
+    first = tl.where(window > 0, tl.maximum(ctx + q0 - window + 1, 0), 0)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, last, BLOCK_N):
+    for start in range(first, last, BLOCK_N):
         j = start + n
         j_ok = j < last
         blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
         at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
         kv_ok = j_ok[:, None] & d_ok[None, :]
         visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+        visible = visible & ((window == 0) | (j[None, :] > pos[:, None] - window))
         m_i, l_i, acc = _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -129,11 +132,12 @@ def block_q_for(group: int, max_q: int) -> int:
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, query_start: torch.Tensor, tile_req: torch.Tensor,
-                     tile_q0: torch.Tensor, block_q: int, scale: float, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     tile_q0: torch.Tensor, block_q: int, scale: float, out: torch.Tensor | None = None,
+                     window: int = 0) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]; the caches [Hkv, blocks, block_size, D]; the tiles from
     varlen_tiles(query_start, block_q). Rows past query_start[-1] (a padded batch) are
-    left as `out` holds them (zeros when it is made here)."""
+    left as `out` holds them (zeros when it is made here). window > 0: each query sees its
+    last `window` keys only (itself included)."""
     t, hq, d = q.shape
     hkv, _, bs, _ = k_cache.shape
     group = hq // hkv
@@ -143,7 +147,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows = _pow2(block_q * group, 16)
     grid = (tile_req.numel(), hkv)
     _varlen_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
-                         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+                         window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                          k_cache.stride(2), block_tables.stride(0),
                          G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), BLOCK_Q=block_q, ROWS=rows, BLOCK_SIZE=bs,
                          BLOCK_N=max(16, bs), IEEE=_ieee(q.dtype))
@@ -151,7 +155,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split_len,
+def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split_len, window,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_bt,
                          stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
                          G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
@@ -162,6 +166,7 @@ def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split
     seq_len = tl.load(seq_lens + req)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    lo = tl.where(window > 0, tl.maximum(lo, seq_len - window), lo)  # a sliding window's keys only
     r = tl.arange(0, ROWS)
     head = kvh * G + r
     row_ok = r < G
@@ -210,7 +215,7 @@ def _decode_merge_kernel(Mid, Lse, Out, stride_mt, stride_mh, stride_ms, stride_
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, splits: int, split_len: int, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """One query token a request (q [B, Hq, D], row i is request i), its keys cut into
     `splits` ranges of `split_len` tokens (splits * split_len >= the longest seq_len; a
     range past a request's length is empty and weighs nothing in the merge)."""
@@ -221,7 +226,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, mid, lse, block_tables, seq_lens, scale, split_len,
+        q, k_cache, v_cache, mid, lse, block_tables, seq_lens, scale, split_len, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
         G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), ROWS=_pow2(group, 16), BLOCK_SIZE=bs, BLOCK_N=max(16, bs),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice.backends.base import AttentionMetadata, Backend, FlatBatch, is_windowed
+from sluice.backends.base import AttentionMetadata, Backend, FlatBatch
 from sluice.backends.torch_ref import TorchOps
 
 logger = logging.getLogger("sluice.backends.select")
@@ -81,22 +81,22 @@ class TritonOps(TorchOps):
         return attention.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, num_heads,
                                        num_kv_heads, head_dim)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
         from sluice.backends.cuda import attention
         plan: CudaAttentionPlan = meta.extra
         if plan.splits:
             n = meta.seq_lens.shape[0]
             out = torch.zeros_like(q)
             attention.decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.splits,
-                                       plan.split_len, scale, out=out[:n])
+                                       plan.split_len, scale, out=out[:n], window=window)
             return out
         out = torch.zeros_like(q)
         if plan.decode_req is not None:
             attention.varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       plan.decode_req, plan.decode_q0, 1, scale, out=out)
+                                       plan.decode_req, plan.decode_q0, 1, scale, out=out, window=window)
         if plan.chunk_req is not None:
             attention.varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       plan.chunk_req, plan.chunk_q0, plan.block_q, scale, out=out)
+                                       plan.chunk_req, plan.chunk_q0, plan.block_q, scale, out=out, window=window)
         return out
 
 
@@ -180,11 +180,6 @@ class CudaBackend(Backend):
                 f"norm=triton rope=triton head=cublas graphs={graphs} deterministic=off")
 
     # -- the model --------------------------------------------------------------
-    def check_model(self, arch) -> None:
-        if is_windowed(arch):
-            raise ValueError("sliding-window attention layers (this model has them) run on the CPU backend; the "
-                             "Triton attention kernels take no window yet: what works is device='cpu'")
-
     @torch.no_grad()
     def prepare(self, model, quantization=None, max_positions=None, with_head: bool = True) -> None:
         # Query heads per KV head: the rows of one attention tile per query token.
