@@ -70,12 +70,11 @@ def test_kernel_handles_other_head_shapes(isa_kernels):
 def test_compiled_shapes_give_the_generic_paths_bits(group, isa_kernels):
     """float32, head_dim 64 runs a path compiled for the shape; zero-padding head_dim to 80
     sends the same numbers through the generic loops, whose extra terms are exact zeros:
-    the outputs must agree bit for bit. (128 shares the template; its generic twin, 144, is
-    past the vector path's 8 chunks, so it has no such check. bf16 caches of these shapes
+    the outputs must agree bit for bit; likewise 128 and 144. (bf16 caches of these shapes
     take the bf16 dot-product routine, checked against float32 below.)"""
     mod = isa_kernels
     dtype = torch.float32
-    for d, padded in [(64, 80)]:
+    for d, padded in [(64, 80), (128, 144)]:
         q, kc, vc, meta = make_case(dtype, num_kv_heads=2, group=group, head_dim=d, seed=group + d)
         pad = lambda t: torch.nn.functional.pad(t, (0, padded - d))  # noqa: E731
         args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.1)

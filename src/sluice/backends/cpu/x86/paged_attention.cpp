@@ -72,7 +72,7 @@ auto for_shape(int64_t group, int64_t head_dim, const Make& make)
     default: return nullptr;
   }
 }
-constexpr int kMaxChunks = 8;   // head_dim / 16
+constexpr int kMaxChunks = 16;  // head_dim / 16: up to 256 (Gemma 3)
 
 // The sum of 16 lanes, for 16 vectors at once: out lane j = the sum of v[j]'s lanes, in
 // exactly the pairing _mm512_reduce_add_ps uses (lane i with i + 8, then + 4, + 2, + 1;
