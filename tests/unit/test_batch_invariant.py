@@ -206,6 +206,18 @@ def test_rms_norm_and_silu_and_mul(k, dtype):
     for s, m in row_slices(40):
         assert torch.equal(k.bi_rms_norm(x[s:s + m], w, 1e-5), y[s:s + m])
 
+    # float32 weights under bf16 rows (Gemma's 1 + w): the product rounded once.
+    w32 = 1 + torch.randn(72, generator=g) * 0.3
+    y = k.bi_rms_norm(x, w32, 1e-5)
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w32).to(dtype)
+    torch.testing.assert_close(y.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    if dtype == torch.bfloat16:  # at most one bf16 step from the once-rounded product
+        assert ((y.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+    summed, _ = k.bi_add_rms_norm(x, x, w32, 1e-5)
+    assert torch.equal(summed, k.bi_rms_norm((x.float() + x.float()).to(dtype), w32, 1e-5))
+    for s, m in row_slices(40):
+        assert torch.equal(k.bi_rms_norm(x[s:s + m], w32, 1e-5), y[s:s + m])
+
     gu = torch.randn(40, 2 * 100, generator=g).to(dtype)
     y = k.bi_silu_and_mul(gu)
     gate, up = gu.float().chunk(2, dim=-1)

@@ -61,7 +61,8 @@ def test_norms_activation_and_rope(builds, dtype):
     r = torch.randn(21, 72, generator=g).to(dtype)
     w = torch.randn(72, generator=g).to(dtype)
     gu = torch.randn(21, 200, generator=g).to(dtype)
-    same(builds, lambda k: (k.bi_rms_norm(x, w, 1e-5), *k.bi_add_rms_norm(x, r, w, 1e-5), k.bi_silu_and_mul(gu)))
+    same(builds, lambda k: (k.bi_rms_norm(x, w, 1e-5), *k.bi_add_rms_norm(x, r, w, 1e-5), k.bi_silu_and_mul(gu),
+                            k.bi_rms_norm(x, w.float() + 1, 1e-5)))
     if dtype == torch.bfloat16:
         hq, hkv, d, nb, bs, t = 6, 2, 64, 8, 16, 37
         qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16()

@@ -89,9 +89,13 @@ class TorchOps:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Llama's: weight * T(normed x); with float32 weights under a lower-precision x
+        (Gemma's 1 + w), T(normed x * weight), rounded once."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        if weight.dtype != dtype:
+            return (x * weight).to(dtype)
         return weight * x.to(dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

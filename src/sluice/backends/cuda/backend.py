@@ -61,10 +61,14 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def rms_norm(self, x, weight, eps):
+        if weight.dtype != x.dtype:  # float32 weights (Gemma's 1 + w): torch's single rounding
+            return super().rms_norm(x, weight, eps)
         from sluice.backends.cuda import ops
         return ops.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
+        if weight.dtype != x.dtype:
+            return super().add_rms_norm(x, residual, weight, eps)
         from sluice.backends.cuda import ops
         return ops.add_rms_norm(x, residual, weight, eps)
 

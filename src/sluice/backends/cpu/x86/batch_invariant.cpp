@@ -366,12 +366,37 @@ inline void rms_norm_row(const T* xr, const T* residual, T* sum, const T* w, T* 
   }
 }
 
+// The same with float32 weights (Gemma's 1 + w, kept in float32 as its own code keeps the
+// product): y = T(x * rsqrt(mean(x^2) + eps) * w), rounded once.
 template <typename T>
-void rms_norm_impl(const T* x, const T* residual, T* sum, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+inline void rms_norm_row_w32(const T* xr, const T* residual, T* sum, const float* w, T* y, int64_t n, float eps) {
+  if (residual) {
+    for (int64_t j = 0; j < n; j += kLanes)
+      store_row(sum, j, n, _mm512_add_ps(load_row(xr, j, n), load_row(residual, j, n)));
+    xr = sum;
+  }
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __m512 v = load_row(xr, j, n);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int64_t j = 0; j < n; j += kLanes)
+    store_row(y, j, n, _mm512_mul_ps(_mm512_mul_ps(load_row(xr, j, n), iv), load_row(w, j, n)));
+}
+
+template <typename T, typename W>
+void rms_norm_impl(const T* x, const T* residual, T* sum, const W* w, T* y, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      rms_norm_row<T>(x + r * n, residual ? residual + r * n : nullptr, sum ? sum + r * n : nullptr, w, y + r * n, n,
-                      eps);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* res = residual ? residual + r * n : nullptr;
+      T* s = sum ? sum + r * n : nullptr;
+      if constexpr (std::is_same_v<W, float> && !std::is_same_v<T, float>)
+        rms_norm_row_w32<T>(x + r * n, res, s, w, y + r * n, n, eps);
+      else
+        rms_norm_row<T>(x + r * n, res, s, w, y + r * n, n, eps);
+    }
   });
 }
 
@@ -379,16 +404,22 @@ void rms_norm_dispatch(const at::Tensor& x, const at::Tensor* residual, at::Tens
                        const at::Tensor& weight, at::Tensor& y, double eps) {
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(weight.numel() == n, "weight size != last dim");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "weight's dtype is the input's, or float32");
   if (x.scalar_type() == at::kFloat) {
-    rms_norm_impl<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
-                         sum ? sum->data_ptr<float>() : nullptr, weight.data_ptr<float>(), y.data_ptr<float>(),
-                         rows, n, eps);
+    rms_norm_impl<float, float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                                sum ? sum->data_ptr<float>() : nullptr, weight.data_ptr<float>(), y.data_ptr<float>(),
+                                rows, n, eps);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm supports float32 and bfloat16");
     using B = at::BFloat16;
-    rms_norm_impl<B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, sum ? sum->data_ptr<B>() : nullptr,
-                     weight.data_ptr<B>(), y.data_ptr<B>(), rows, n, eps);
+    if (weight.scalar_type() == at::kFloat)
+      rms_norm_impl<B, float>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr,
+                              sum ? sum->data_ptr<B>() : nullptr, weight.data_ptr<float>(), y.data_ptr<B>(), rows, n,
+                              eps);
+    else
+      rms_norm_impl<B, B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr,
+                          sum ? sum->data_ptr<B>() : nullptr, weight.data_ptr<B>(), y.data_ptr<B>(), rows, n, eps);
   }
 }
 
