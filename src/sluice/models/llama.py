@@ -44,7 +44,8 @@ class LlamaArch:
     o_bias: bool
     qk_norm: bool
     # Per layer: the keys a query sees, itself included (0: every key before it); empty
-    # where no layer has a sliding window (Mistral's sliding_window, a config's layer_types).
+    # where no layer has a sliding window (Mistral's and Mixtral's sliding_window, a config's
+    # layer_types).
     layer_windows: tuple[int, ...] = ()
     # Mixture of experts (models/moe.py; 0 experts: dense). sparse_layers: per layer, whether
     # its MLP is the experts; router_weights_in_dtype: the routing weights rounded to the
@@ -71,7 +72,7 @@ class LlamaArch:
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         window = int(getattr(cfg, "sliding_window", None) or 0)
         types = list(getattr(cfg, "layer_types", None) or [])
-        if model_type == "mistral" and window:
+        if model_type in ("mistral", "mixtral") and window:  # every layer (transformers' Mistral and Mixtral)
             windows = (window,) * cfg.num_hidden_layers
         elif window and types and (model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
             windows = tuple(window if t == "sliding_attention" else 0 for t in types)
