@@ -105,16 +105,16 @@ def test_what_cuda_cannot_run_is_refused_in_one_line():
             LLM(device="cuda")
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3-moe"])
-def test_other_architectures_on_the_triton_path(kind, tiny_checkpoint, monkeypatch):
+def test_sliding_windows_on_the_triton_path(tiny_checkpoint, monkeypatch):
     """Gemma 3's sliding-window layers (a window of 8, far shorter than the prompts) through
-    the flat kernel and the split-K decode (threshold lowered to 16 tokens), and a mixture of
-    experts, give the CPU backend's torch-path greedy tokens."""
+    the flat kernel and the split-K decode (threshold lowered to 16 tokens) give the CPU
+    backend's torch-path greedy tokens. (A mixture of experts has nothing of its own on this
+    path: its experts are Linear layers, cuBLAS's like any other.)"""
     from sluice.backends import select
     from sluice.backends.cuda import backend as cb
-    path = str(tiny_checkpoint(kind))
+    path = str(tiny_checkpoint("gemma3"))
     prompts = prompts_of_lengths(None, [5, 17, 40, 33], seed=5)
-    params = SamplingParams(max_tokens=10, **GREEDY)
+    params = SamplingParams(max_tokens=8, **GREEDY)
     want = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", num_blocks=64).generate(prompts, params)]
     monkeypatch.setattr(cb, "SPLIT_K_MIN_TOKENS", 16)
     if not GPU:  # the CUDA family on CPU tensors, under the interpreter
