@@ -19,8 +19,24 @@ from pathlib import Path
 
 
 
+def decode_step_ms(engine, rng: random.Random, c: int, n_out: int) -> float:
+    """c requests of 64 random prompt tokens: the mean wall time of their decode steps
+    after the first three, in ms."""
+    from sluice import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    for i in range(c):
+        engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(64)], params)
+    for _ in range(3):
+        engine.step()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def main() -> int:
-    from sluice import LLMEngine, SamplingParams
+    from sluice import LLMEngine
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--cpu-isa", default="auto")
@@ -31,23 +47,10 @@ def main() -> int:
                                    quantization=None if args.quantization == "none" else args.quantization,
                                    max_num_seqs=max(args.concurrency))
     rng = random.Random(0)
-
-    def run(c: int, n_out: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-        for i in range(c):
-            engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(64)], params)
-        for _ in range(3):
-            engine.step()
-        t0, steps = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        return round((time.perf_counter() - t0) / steps * 1e3, 2)
-
-    run(2, 8)  # warm
+    decode_step_ms(engine, rng, 2, 8)  # warm
     out = {"plan": engine.backend.line()}
     for c in args.concurrency:
-        out[f"c{c}"] = run(c, 64 if c <= 8 else 48 if c <= 16 else 32)
+        out[f"c{c}"] = round(decode_step_ms(engine, rng, c, 64 if c <= 8 else 48 if c <= 16 else 32), 2)
     print(json.dumps(out))
     return 0
 

@@ -18,8 +18,9 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from decode_steps import decode_step_ms  # (benchmarks/ is the script's own folder)
 
 COMMON = dict(vocab_size=49152, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -46,7 +47,7 @@ def folders(root: Path) -> dict[str, str]:
 
 
 def main() -> int:
-    from sluice import LLMEngine, SamplingParams
+    from sluice import LLMEngine
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=3)
@@ -60,25 +61,13 @@ def main() -> int:
                                                kv_cache_memory=1.0)
                    for name, path in folders(Path(tmp)).items()}
 
-        def run(engine, c: int, n_out: int) -> float:
-            params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-            for i in range(c):
-                engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(64)], params)
-            for _ in range(3):
-                engine.step()
-            t0, steps = time.perf_counter(), 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                steps += 1
-            return (time.perf_counter() - t0) / steps * 1e3
-
         for e in engines.values():
-            run(e, 2, 8)  # warm
+            decode_step_ms(e, rng, 2, 8)  # warm
         times: dict[str, dict[int, list[float]]] = {n: {c: [] for c in args.concurrency} for n in engines}
         for _ in range(args.rounds):
             for c in args.concurrency:
                 for name, e in engines.items():
-                    times[name][c].append(run(e, c, 32 if c <= 8 else 24))
+                    times[name][c].append(decode_step_ms(e, rng, c, 32 if c <= 8 else 24))
         out = {"plan": next(iter(engines.values())).backend.line()}
         for name in engines:
             out[name] = {f"c{c}": round(statistics.median(v), 2) for c, v in times[name].items()}

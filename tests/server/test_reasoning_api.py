@@ -39,26 +39,31 @@ def thinking_checkpoint(tmp_path_factory, hf_tokenizer):
     return path, tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
 
 
-def serve(path, parser):
-    aengine, metrics, _ = start_engine(str(path), num_blocks=128, reasoning_parser=parser)
+@pytest.fixture(scope="module")
+def servers(thinking_checkpoint):
+    """parser -> (server, (<think> id, </think> id)), one engine per parser, started on first use."""
     from sluice.entrypoints.openai.api_server import ServerConfig
-    return aengine, RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
+    running = {}
+
+    def get(parser):
+        if parser not in running:
+            aengine, metrics, _ = start_engine(str(thinking_checkpoint[0]), num_blocks=128, reasoning_parser=parser)
+            running[parser] = aengine, RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
+        return running[parser][1], thinking_checkpoint[1:]
+    yield get
+    for aengine, srv in running.values():
+        srv.stop()
+        aengine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def r1(thinking_checkpoint):
-    aengine, srv = serve(thinking_checkpoint[0], "deepseek_r1")
-    yield srv, thinking_checkpoint[1:]
-    srv.stop()
-    aengine.shutdown()
+@pytest.fixture()
+def r1(servers):
+    return servers("deepseek_r1")
 
 
-@pytest.fixture(scope="module")
-def qwen3(thinking_checkpoint):
-    aengine, srv = serve(thinking_checkpoint[0], "qwen3")
-    yield srv, thinking_checkpoint[1:]
-    srv.stop()
-    aengine.shutdown()
+@pytest.fixture()
+def qwen3(servers):
+    return servers("qwen3")
 
 
 def client_of(srv):

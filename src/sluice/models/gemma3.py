@@ -14,6 +14,7 @@ attention gets the layer's window (backends/torch_ref.py masks it).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -43,8 +44,7 @@ class Gemma3Arch(LlamaArch):
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with bidirectional attention (an encoder) is not supported")
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        base = LlamaArch.from_hf_config(cfg)  # sizes, heads, biases; what differs is set below
         # transformers >= 5: rope_parameters per layer kind; older: rope_theta, rope_local_base_freq, rope_scaling.
         params = getattr(cfg, "rope_parameters", None) or {}
         full = dict(params.get("full_attention") or {})
@@ -63,28 +63,14 @@ class Gemma3Arch(LlamaArch):
                              f"full_attention per layer ({cfg.num_hidden_layers} layers)")
         window = int(cfg.sliding_window or 0)
         scaling = full if full.get("rope_type", full.get("type", "default")) == "linear" else None
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(full["rope_theta"]),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
-            qkv_bias=bool(getattr(cfg, "attention_bias", False)),
-            o_bias=bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=True,
-            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-            rope_local_theta=float(local["rope_theta"]),
-            embed_scale=float(cfg.hidden_size) ** 0.5,
-            attn_scale=float(getattr(cfg, "query_pre_attn_scalar", head_dim)) ** -0.5,
-            final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None),
-        )
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaArch)}
+        fields.update(rope_theta=float(full["rope_theta"]), rope_scaling=scaling, qk_norm=True,
+                      tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+                      layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types))
+        return cls(**fields, rope_local_theta=float(local["rope_theta"]),
+                   embed_scale=float(cfg.hidden_size) ** 0.5,
+                   attn_scale=float(getattr(cfg, "query_pre_attn_scalar", base.head_dim)) ** -0.5,
+                   final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None))
 
 
 class GeGLU(MLP):
@@ -107,11 +93,9 @@ class Gemma3DecoderLayer(torch.nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, arch: Gemma3Arch, tp: TPShard = SINGLE):
         super().__init__(arch, tp)
-        local = LlamaArch(**{**{f: getattr(arch, f) for f in LlamaArch.__dataclass_fields__},
-                             "rope_theta": arch.rope_local_theta, "rope_scaling": None})
+        local = dataclasses.replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=None)
         self.register_buffer("local_inv_freq", rope_inv_freq(local), persistent=False)
         self.local_rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._slots = None
 
     def _apply(self, fn, recurse=True):
         """As nn.Module's (.to(dtype) and the like), the norms' 1 + w then back in float32:

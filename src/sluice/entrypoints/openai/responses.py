@@ -363,17 +363,15 @@ class ResponsesServing:
                     thought, delta = splitter.feed(delta, final=c.finished)
                 if thought:
                     if thinking is None:
-                        thinking = [len(output), _id("rs"), ""]
-                        output.append(reasoning_item(thinking[1], "", "in_progress"))
-                        yield ev("response.output_item.added", output_index=thinking[0],
-                                 item={**output[thinking[0]], "content": []})
-                        yield ev("response.content_part.added", item_id=thinking[1], output_index=thinking[0],
-                                 content_index=0, part={"type": "reasoning_text", "text": ""})
+                        thinking, events = self._open(ev, output, reasoning_item(_id("rs"), "", "in_progress"),
+                                                      {"type": "reasoning_text", "text": ""})
+                        for e in events:
+                            yield e
                     thinking[2] += thought
                     yield ev("response.reasoning_text.delta", item_id=thinking[1], output_index=thinking[0],
                              content_index=0, delta=thought)
                 if thinking is not None and (delta or c.finished or splitter.state == "answer"):
-                    for e in self._close_reasoning(ev, output, thinking):
+                    for e in self._close(ev, output, thinking, reasoning_item, "response.reasoning_text.done"):
                         yield e
                     thinking = None
                 calls: list[ToolCall] = []
@@ -381,17 +379,15 @@ class ResponsesServing:
                     delta, calls = parser.feed(delta, final=c.finished)
                 if delta:
                     if msg is None:
-                        msg = [len(output), _id("msg"), ""]
-                        output.append(message_item(msg[1], "", "in_progress"))
-                        yield ev("response.output_item.added", output_index=msg[0],
-                                 item={**output[msg[0]], "content": []})
-                        yield ev("response.content_part.added", item_id=msg[1], output_index=msg[0],
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        msg, events = self._open(ev, output, message_item(_id("msg"), "", "in_progress"),
+                                                 {"type": "output_text", "text": "", "annotations": []})
+                        for e in events:
+                            yield e
                     msg[2] += delta
                     yield ev("response.output_text.delta", item_id=msg[1], output_index=msg[0], content_index=0,
                              delta=delta, logprobs=[])
                 if (calls or c.finished) and msg is not None:  # the message ends where a call starts
-                    for e in self._close_message(ev, output, msg):
+                    for e in self._close(ev, output, msg, message_item, "response.output_text.done", logprobs=[]):
                         yield e
                     msg = None
                 for call in calls:
@@ -420,20 +416,21 @@ class ResponsesServing:
             s._abort(started)
 
     @staticmethod
-    def _close_reasoning(ev, output, thinking):
-        index, item_id, text = thinking
-        output[index] = reasoning_item(item_id, text, "completed")
-        part = output[index]["content"][0]
-        yield ev("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text)
-        yield ev("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
-        yield ev("response.output_item.done", output_index=index, item=output[index])
+    def _open(ev, output, item, part) -> tuple[list, list[str]]:
+        """A new in-progress output item: its [output index, id, text so far] and the two
+        events that open it."""
+        index = len(output)
+        output.append(item)
+        return [index, item["id"], ""], [
+            ev("response.output_item.added", output_index=index, item={**item, "content": []}),
+            ev("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)]
 
     @staticmethod
-    def _close_message(ev, output, msg):
-        index, item_id, text = msg
-        output[index] = message_item(item_id, text, "completed")
+    def _close(ev, output, state, make_item, text_done: str, **extra):
+        """The events that complete an open item (make_item: message_item or reasoning_item)."""
+        index, item_id, text = state
+        output[index] = make_item(item_id, text, "completed")
         part = output[index]["content"][0]
-        yield ev("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=text,
-                 logprobs=[])
+        yield ev(text_done, item_id=item_id, output_index=index, content_index=0, text=text, **extra)
         yield ev("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
         yield ev("response.output_item.done", output_index=index, item=output[index])

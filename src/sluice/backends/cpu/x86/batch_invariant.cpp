@@ -343,11 +343,13 @@ inline __m512 round_to(__m512 v) {
   }
 }
 
-// RMSNorm over the last dim: y = w * T(x * rsqrt(mean(x^2) + eps)), float32 inside.
-// With `residual`, x is first replaced by T(x + residual), written to `sum` (the residual
-// stream's next value): torch's `x + residual` then the norm, in one pass.
-template <typename T>
-inline void rms_norm_row(const T* xr, const T* residual, T* sum, const T* w, T* y, int64_t n, float eps) {
+// RMSNorm over the last dim: y = w * T(x * rsqrt(mean(x^2) + eps)), float32 inside; with
+// float32 weights under bf16 rows (Gemma's 1 + w, kept in float32 as its own code keeps
+// the product), y = T(x * rsqrt(mean(x^2) + eps) * w), rounded once. With `residual`, x is
+// first replaced by T(x + residual), written to `sum` (the residual stream's next value):
+// torch's `x + residual` then the norm, in one pass.
+template <typename T, typename W>
+inline void rms_norm_row(const T* xr, const T* residual, T* sum, const W* w, T* y, int64_t n, float eps) {
   if (residual) {
     for (int64_t j = 0; j < n; j += kLanes)
       store_row(sum, j, n, _mm512_add_ps(load_row(xr, j, n), load_row(residual, j, n)));
@@ -361,42 +363,20 @@ inline void rms_norm_row(const T* xr, const T* residual, T* sum, const T* w, T* 
   const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
   const __m512 iv = _mm512_set1_ps(inv);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const __m512 normed = round_to<T>(_mm512_mul_ps(load_row(xr, j, n), iv));
-    store_row(y, j, n, _mm512_mul_ps(load_row(w, j, n), normed));
+    const __m512 normed = _mm512_mul_ps(load_row(xr, j, n), iv);
+    if constexpr (std::is_same_v<W, float>)  // (for float32 rows the same product either way)
+      store_row(y, j, n, _mm512_mul_ps(normed, load_row(w, j, n)));
+    else
+      store_row(y, j, n, _mm512_mul_ps(load_row(w, j, n), round_to<T>(normed)));
   }
-}
-
-// The same with float32 weights (Gemma's 1 + w, kept in float32 as its own code keeps the
-// product): y = T(x * rsqrt(mean(x^2) + eps) * w), rounded once.
-template <typename T>
-inline void rms_norm_row_w32(const T* xr, const T* residual, T* sum, const float* w, T* y, int64_t n, float eps) {
-  if (residual) {
-    for (int64_t j = 0; j < n; j += kLanes)
-      store_row(sum, j, n, _mm512_add_ps(load_row(xr, j, n), load_row(residual, j, n)));
-    xr = sum;
-  }
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const __m512 v = load_row(xr, j, n);
-    ss = _mm512_fmadd_ps(v, v, ss);
-  }
-  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (int64_t j = 0; j < n; j += kLanes)
-    store_row(y, j, n, _mm512_mul_ps(_mm512_mul_ps(load_row(xr, j, n), iv), load_row(w, j, n)));
 }
 
 template <typename T, typename W>
 void rms_norm_impl(const T* x, const T* residual, T* sum, const W* w, T* y, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* res = residual ? residual + r * n : nullptr;
-      T* s = sum ? sum + r * n : nullptr;
-      if constexpr (std::is_same_v<W, float> && !std::is_same_v<T, float>)
-        rms_norm_row_w32<T>(x + r * n, res, s, w, y + r * n, n, eps);
-      else
-        rms_norm_row<T>(x + r * n, res, s, w, y + r * n, n, eps);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row<T, W>(x + r * n, residual ? residual + r * n : nullptr, sum ? sum + r * n : nullptr, w,
+                         y + r * n, n, eps);
   });
 }
 
