@@ -1,5 +1,6 @@
 """Does a speed trick change outputs? Greedy agreement with float32 and perplexity on
-held-out text, for float32, bfloat16, int8 weights and w8a8 (int8 weights and activations) of the same model,
+held-out text, for float32, bfloat16, int8 weights, w8a8 (int8 weights and activations), w4a8
+and gguf (the file's own quantized blocks) of the same model,
 and bfloat16 and w8a8 with the int8 KV cache (`kv_cache_dtype="int8"`).
 
     python benchmarks/quality.py [--json benchmarks/results/quality.json]
@@ -88,6 +89,7 @@ def main() -> None:
                 "int8": dict(dtype="bfloat16", quantization="int8"),
                 "w8a8": dict(dtype="bfloat16", quantization="w8a8"),
                 "w4a8": dict(dtype="bfloat16", quantization="w4a8"),
+                "gguf": dict(dtype="bfloat16", quantization="gguf"),
                 "bf16+kv8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
                 "w8a8+kv8": dict(dtype="bfloat16", quantization="w8a8", kv_cache_dtype="int8"),
                 "w4a8+kv8": dict(dtype="bfloat16", quantization="w4a8", kv_cache_dtype="int8")}

@@ -143,6 +143,56 @@ def test_w4a8_linear_matches_reference_and_is_row_invariant(k, n, kdim, bias):
             assert torch.equal(k.w4a8_linear(x[:m], packed.new_empty(0), pd, pm, n, b, True, nibbles), full[:m]), m
 
 
+@pytest.mark.parametrize("n,kdim,bias", [(200, 128, True), (37, 640, False)])
+def test_wide_block_weights_match_reference_and_are_row_invariant(k, n, kdim, bias):
+    """Block weights wider than 4 bits (a GGUF's Q5/Q8 blocks, quantization='gguf'): q up
+    to 254 (the plain AVX2 build's sign trick, 254 - 127 by +-127), Q8_0's m = -127 d and
+    Q5_0's -16 d in one matrix; w4a8_rows reads back exactly d * q + m."""
+    g = torch.Generator().manual_seed(n + kdim)
+    q = torch.randint(0, 255, (n, kdim), generator=g, dtype=torch.uint8)
+    q[: n // 2, : kdim // 2] = 254
+    q[n // 2:] &= 31
+    d = torch.rand(n, kdim // 32, generator=g) * 0.002
+    mn = torch.cat([-127 * d[: n // 2], -16 * d[n // 2:]])
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(70, kdim, generator=g)
+    x[:3, : kdim // 2] = 4.0
+    x[3:5, : kdim // 2] = -4.0
+    x = x.to(torch.bfloat16)
+    packed, pd, pm = k.w4a8_pack_weight(q, d, mn)
+    assert packed.dtype == torch.int8  # the wide tag
+    full = k.w4a8_linear(x, packed, pd, pm, n, b, True)
+    ref = w4a8_reference(x, q, d, mn, b)
+    quantum = (x.float().abs().amax() / 127 * (d.abs() * 254 + mn.abs()).amax()).item()
+    assert (full.double() - ref).abs().max().item() < 1.01 * quantum
+    assert (full.double() - ref).abs().median().item() < 1e-4 * ref.abs().max().item()
+    assert (full.double() - ref)[:5].abs().max().item() < 1e-4 * ref[:5].abs().max().item()  # the edge rows
+    for s, m in row_slices(70):
+        assert torch.equal(k.w4a8_linear(x[s:s + m], packed, pd, pm, n, b, True), full[s:s + m]), (s, m)
+    ids = torch.tensor([0, n - 1, n // 2, 5])
+    values = (q.float().view(n, -1, 32) * d[..., None] + mn[..., None]).view(n, kdim)
+    assert torch.equal(k.w4a8_rows(ids, packed, pd, pm, kdim), values[ids])
+    # Symmetric rows without their minimums: one -offset per row, the same bits.
+    offsets = torch.cat([torch.full((n // 2,), -127.0), torch.full((n - n // 2,), -16.0)])
+    packed2, pd2, pm2 = k.w4a8_pack_weight(q, d, offsets)
+    assert pm2.numel() < pm.numel()
+    assert torch.equal(k.w4a8_linear(x, packed2, pd2, pm2, n, b, True), full)
+    assert torch.equal(k.w4a8_linear(x[:3], packed2, pd2, pm2, n, b, True), full[:3])
+    assert torch.equal(k.w4a8_rows(ids, packed2, pd2, pm2, kdim), values[ids])
+
+
+def test_block_rows_read_back_4bit_weights_from_either_layout(k):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (40, 96), generator=g, dtype=torch.uint8)
+    d, mn = torch.rand(40, 3, generator=g), -torch.rand(40, 3, generator=g)
+    packed, pd, pm = k.w4a8_pack_weight(q, d, mn)
+    values = (q.float().view(40, 3, 32) * d[..., None] + mn[..., None]).view(40, 96)
+    ids = torch.tensor([39, 0, 17, 17])
+    assert torch.equal(k.w4a8_rows(ids, packed, pd, pm, 96), values[ids])
+    nibbles = k.w4a8_pack_nibbles(packed)
+    assert torch.equal(k.w4a8_rows(ids, packed.new_empty(0), pd, pm, 96, nibbles), values[ids])
+
+
 def test_quantize_4bit_finds_q4_1_values_again():
     """Values made as llama.cpp's Q4_1 stores them (f16 scale and minimum, q in 0..15, every
     block reaching 0 and 15), rounded to bf16: the same q, and scales within bf16 rounding."""
@@ -160,10 +210,17 @@ def test_quantize_4bit_finds_q4_1_values_again():
     torch.testing.assert_close(d2, d, rtol=2e-2, atol=0)
 
 
-def test_w4a8_packing_refuses_values_past_4_bits(k):
+def test_block_packing_takes_wide_values_and_refuses_255(k):
+    """Past 15 the weights pack wide (a byte each, tagged int8); 255 has no place in the
+    plain AVX2 build's q - 127 form, so no build takes it; per-row offsets only for wide."""
     q = torch.zeros(16, 32, dtype=torch.uint8)
+    assert k.w4a8_pack_weight(q, torch.ones(16, 1), torch.zeros(16, 1))[0].dtype == torch.uint8
+    with pytest.raises(RuntimeError, match="wide weights"):
+        k.w4a8_pack_weight(q, torch.ones(16, 1), torch.zeros(16))
     q[3, 5] = 16
-    with pytest.raises(RuntimeError, match="0..15"):
+    assert k.w4a8_pack_weight(q, torch.ones(16, 1), torch.zeros(16, 1))[0].dtype == torch.int8
+    q[3, 5] = 255
+    with pytest.raises(RuntimeError, match="0..254"):
         k.w4a8_pack_weight(q, torch.ones(16, 1), torch.zeros(16, 1))
 
 

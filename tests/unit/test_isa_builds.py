@@ -52,6 +52,10 @@ def test_linear_layers(builds, dtype, m, n, kdim):
         q4 = quantize_4bit(w)
         same(builds, lambda k: (k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, b),
                                 k.w4a8_linear(x, *k.w4a8_pack_weight(*q4), n, None, True)))
+        wide = torch.randint(0, 255, (n, kdim), generator=g, dtype=torch.uint8), q4[1], -127 * q4[1]
+        same(builds, lambda k: (k.w4a8_linear(x, *k.w4a8_pack_weight(*wide), n, b),
+                                k.w4a8_linear(x, *k.w4a8_pack_weight(*wide), n, None, True),
+                                k.w4a8_linear(x, *k.w4a8_pack_weight(*wide[:2], torch.full((n,), -127.0)), n, b)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from sluice import quantization
 from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
@@ -343,6 +344,10 @@ class LLMEngine:
         new weights: their prompt and the tokens they have are recomputed; the prefix cache
         and session pins, computed with the old weights, are dropped. Call it between
         steps. Returns how many tensors changed."""
+        scheme = quantization.get(self.config.model.quantization)
+        if scheme is not None and not scheme.keeps_weights:
+            raise ValueError(f"quantization={scheme.name!r} keeps no dequantized weights to update; serve with "
+                             "--quantization w4a8, w8a8, int8 or none to take weight updates")
         named = self.check_weights(weights)
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError("weight_version must be a non-empty string")

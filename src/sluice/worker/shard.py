@@ -56,7 +56,7 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
         dummy_weights(model, mc.seed)
     else:
         # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
-        weights = iter_weights(src, backend.dtype) if rank == 0 else None
+        weights = iter_weights(src, backend.dtype, blocks=mc.quantization == "gguf") if rank == 0 else None
         model.load_weights(share_weights(group, weights) if group is not None else weights)
     model.eval()
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)

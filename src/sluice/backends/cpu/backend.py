@@ -53,6 +53,8 @@ LINEAR_METHODS = {
     "kernels-int8-invariant": "sluice's kernels, int8 weights times bf16 activations at every row count",
     "kernels-w8a8": "sluice's kernels, int8 weights times int8 activations per block of 32",
     "kernels-w4a8": "sluice's kernels, 4-bit weights (Q4_1's form) times int8 activations per block of 32",
+    "kernels-gguf": "sluice's kernels, a GGUF's own quantized blocks (Q4/Q5/Q8, K-quants) times int8 activations "
+                    "per block of 32, every layer and the LM head",
 }
 
 # Tokens per row that the greedy fast path rescores exactly (GreedyHead).
@@ -229,6 +231,9 @@ class CpuBackend(Backend):
         (None: 'auto'). Raises ValueError, before any weight is loaded, for what cannot run."""
         m, kv = model_config, cache_config.kv_cache_dtype
         isa = check(m.cpu_isa, m.quantization, kv, m.deterministic)
+        if m.quantization == "gguf" and tensor_parallel_size > 1:
+            raise ValueError("quantization='gguf' runs in one process (its blocks are not split across ranks); "
+                             "with tensor parallelism use w4a8, w8a8, int8 or none")
         k = None
         if isa != "generic":
             from sluice.backends.cpu import x86
@@ -251,13 +256,14 @@ class CpuBackend(Backend):
         run_model = k is not None and (m.deterministic or dtype == torch.bfloat16)
         if run_model:
             linear = {None: "kernels", "int8": "kernels-int8-invariant" if m.deterministic else "kernels-int8",
-                      "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8"}[m.quantization]
+                      "w8a8": "kernels-w8a8", "w4a8": "kernels-w4a8", "gguf": "kernels-gguf"}[m.quantization]
             attention = "kernels-varlen"         # every token, prompt or decode, in one call
             norm = rope = "kernels"
             # The greedy argmax's approximate head (GreedyHead): int8 x int8 where vpdpbusd
             # runs it; on plain AVX2, int8 weights by 7-bit activations, which need no sign
             # trick (1.4x w8a8's speed there at 8-32 rows).
-            head = ("kernels" if m.deterministic else "kernels-greedy-w8a7" if isa == "avx2"
+            head = ("kernels-gguf" if m.quantization == "gguf"  # the file's blocks: no approximate head
+                    else "kernels" if m.deterministic else "kernels-greedy-w8a7" if isa == "avx2"
                     else "kernels-greedy-w8a8")
         else:
             from sluice.backends.platform import cpu
@@ -357,14 +363,16 @@ class CpuBackend(Backend):
         """What holds more than one layer's weights: the LM head, the greedy head, the decoder
         stack; and the ops and RoPE table of the kernels."""
         int8_head = None
-        if scheme is not None and model.lm_head is None and with_head:
+        k = self.model_kernels
+        packed_head = (NotImplemented if scheme is None or k is None
+                       else scheme.embedding_and_head(k, model, self.dtype, self.deterministic))
+        if packed_head is NotImplemented and scheme is not None and model.lm_head is None and with_head:
             # Tied head: an int8 copy for the head; the embedding table stays as loaded.
             q, scale = quantize_per_channel(model.model.embed_tokens.weight)
             int8_head = (q, scale.to(self.dtype))
         for module in model.modules():
             if hasattr(type(module), "ops"):
                 module.ops = self.ops
-        k = self.model_kernels
         if k is None:
             if not with_head:
                 return
@@ -381,7 +389,9 @@ class CpuBackend(Backend):
                 model.head = packed
             return
         if with_head:
-            if model.lm_head is None:  # tied head: its own packed copy of the embedding table
+            if packed_head is not NotImplemented and model.lm_head is None:
+                head = packed_head  # the embedding's packed blocks are the tied head's
+            elif model.lm_head is None:  # tied head: its own packed copy of the embedding table
                 head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, self.deterministic)
             else:
                 head = model.lm_head.method

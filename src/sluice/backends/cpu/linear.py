@@ -9,7 +9,7 @@ F.linear once the backend (backends/cpu/backend.py) has set it:
   pack into it too: int8 weights by bf16 activations (up to KERNEL_INT8_MAX_ROWS rows, the
   bf16 weights above; every row count in deterministic mode), int8 weights by int8
   activations per block of 32 (w8a8.cpp), 4-bit weights in Q4_1's form by the same int8
-  activations (w4a8.cpp);
+  activations (w4a8.cpp), and a GGUF's own blocks of up to 8 bits in the same form;
 - `PackedWeight`: a oneDNN prepacked bf16 weight, where our kernels do not run the model
   (the op inductor's freezing uses);
 - `Int8Weight`: int8 weight-only quantization on torch's kernels: rows of a step at most
@@ -64,6 +64,8 @@ def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Te
     weight = weight.detach()
     if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
         packed, d, m = kernels.w4a8_pack_weight(*w4)
+        if packed.dtype == torch.int8:  # wide weights (up to 254): the byte layout at every row count
+            return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
         nibbles = kernels.w4a8_pack_nibbles(packed)
         if kernels.w4a8_nibble_max_rows() >= 2**62:  # this build reads the nibbles at every row count
             packed = packed.new_empty(0)

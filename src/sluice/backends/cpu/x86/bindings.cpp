@@ -54,7 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"));
   // w4a8.cpp
   m.def("w4a8_pack_weight", &sluice::w4a8_pack_weight,
-        "pack [N, K] 4-bit weights (0..15) and their [N, K/32] block scales and minimums for w4a8_linear");
+        "pack [N, K] 4-bit weights (0..15; wide: 0..254, packed as int8) and their [N, K/32] block scales "
+        "and minimums for w4a8_linear");
+  m.def("w4a8_rows", &sluice::w4a8_rows, "rows ids of packed block weights as float32 q * d + m",
+        py::arg("ids"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("k"), py::arg("nibbles") = py::none());
   m.def("w4a8_pack_nibbles", &sluice::w4a8_pack_nibbles,
         "the packed 4-bit weights two to a byte, which w4a8_linear reads for steps of few rows");
   m.def("w4a8_nibble_max_rows", &sluice::w4a8_nibble_max_rows,

@@ -55,6 +55,8 @@ at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor sca
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at::Tensor d, at::Tensor m);
 at::Tensor w4a8_pack_nibbles(at::Tensor packed);
 int64_t w4a8_nibble_max_rows();  // the most rows a step may have to read the nibbles
+at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t K,
+                     c10::optional<at::Tensor> nibbles);
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                        c10::optional<at::Tensor> bias, bool out_float32,
                        c10::optional<at::Tensor> nibbles = c10::nullopt);

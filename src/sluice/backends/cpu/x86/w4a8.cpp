@@ -18,6 +18,20 @@
 // one vpmaddwd per eight. Builds with vpdpbusd (AVX-512 VNNI, AVX-VNNI) multiply q as the
 // unsigned operand with no offset to take off.
 //
+// Wide weights: the same form with q up to 254, for a GGUF's own blocks of other types
+// (`--quantization gguf`, quantization/gguf.py: Q5_0's q + 16, Q8_0's q + 127, Q4_K's
+// sub-blocks, ...). w4a8_pack_weight packs them a byte a weight and returns them as int8
+// (the tag linear_w4a8_rows goes by); they take the byte path at every row count, never
+// the nibbles nor the plain AVX2 build's asm block, whose int16 sums hold 4-bit products
+// only. vpdpbusd sums unsigned by signed bytes in int32, so the VNNI builds multiply q as
+// it is. Plain AVX2's vpmaddubsw would saturate its int16 pairs (2 * 254 * 127): that build
+// stores q - 127 (in -127..127) and multiplies by the sign trick, as w8a8 does, then adds
+// 127 * sum(qx) back per block in int32. So every build has the same int32 block sums and
+// does the same float arithmetic on them: the same bits. Where every row's blocks are
+// symmetric (m = -offset * d: Q5_0, Q8_0, 8-bit blocks), the minimums are not stored: m
+// comes as one -offset per row ([N/16][16]) and each block's is d times it, the same
+// float32 product the loader computed (exact: offsets of at most 7 bits by a float16 d).
+//
 // Every output element is reduced in an order fixed by its row alone (blocks in order, k
 // in order within a block, float sums in the same order in every build), so the kernel is
 // batch-invariant and every build gives the same bits.
@@ -84,7 +98,36 @@ struct Acts {
   const float* scales;   // [M, nblk]: sx
   const float* bsums;    // [M, nblk]: sx * sum(qx)
   int64_t Kp;
+  const int8_t* qabs = nullptr;   // plain AVX2: |qx|, for wide weights' sign trick
+  const int32_t* boff = nullptr;  // plain AVX2: 128 * each block's sum(qx)
 };
+
+#if defined(SLUICE_SIGN_TRICK)
+constexpr int kWideOffset = 127;  // wide weights stored as q - 127 (see the top of the file)
+// acc += w . x over 4 k per lane, w signed bytes (|w| <= 127) by llama.cpp's sign trick:
+// vpmaddubsw(|x|, w * sign(x)), whose pairs stay below 2^15.
+inline __m512i dot4_signed(__m512i acc, __m512i w, const int8_t* x4, const int8_t* xabs4) {
+  int32_t x, xa;
+  std::memcpy(&x, x4, sizeof(x));
+  std::memcpy(&xa, xabs4, sizeof(xa));
+  const __m256i xv = _mm256_set1_epi32(x), xav = _mm256_set1_epi32(xa), ones = _mm256_set1_epi16(1);
+  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(xav, _mm256_sign_epi8(w.lo, xv)), ones));
+  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(xav, _mm256_sign_epi8(w.hi, xv)), ones));
+  return acc;
+}
+#else
+constexpr int kWideOffset = 0;
+#endif
+
+// Wide weights' product of 4 k per lane (unsigned q by signed x, in int32).
+inline __m512i dot4_wide(__m512i acc, __m512i w, const int8_t* x4, const int8_t* xabs4) {
+#if defined(SLUICE_SIGN_TRICK)
+  return dot4_signed(acc, w, x4, xabs4);
+#else
+  (void)xabs4;
+  return dot4_unsigned_signed(acc, w, x4);  // vpdpbusd: int32 sums, no saturation
+#endif
+}
 
 #if defined(SLUICE_SIGN_TRICK)
 // The plain AVX2 build's 4-row x 16-column block over the whole of K, as asm with every
@@ -171,13 +214,15 @@ inline void block_4x1_avx2(float*, const uint8_t*, const int8_t*, int64_t, const
 
 // R rows x C groups of 16 columns over the whole of K, then the bias and the store.
 // wd, wm: [NB][nblk][16] block scales and minimums. Nib: w is nibble-packed (two steps a
-// vector, w4a8_pack_nibbles), else a byte a weight; the same sums either way.
-template <int R, int C, bool Nib = false>
+// vector, w4a8_pack_nibbles), else a byte a weight; the same sums either way. Wide: bytes
+// of q up to 254 (see the top of the file).
+template <int R, int C, bool Nib = false, bool Wide = false>
 void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
-           const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
+           const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf,
+           const float* moff = nullptr) {
   const int64_t Kp = x.Kp, nblk = Kp / kBlock;
   __m512 acc[R][C];
-  if (kAsmBlock && !Nib && R == 4 && C == 1 && nblk > 0) {
+  if (kAsmBlock && !Nib && !Wide && R == 4 && C == 1 && nblk > 0) {
     alignas(64) float sums[R * kLanes] = {};
     block_4x1_avx2(sums, w + nb0 * KS * kLanes * 4, x.q + m0 * Kp, Kp, x.scales + m0 * nblk, x.bsums + m0 * nblk,
                    nblk, wd + nb0 * nblk * kLanes, wm + nb0 * nblk * kLanes, pf);
@@ -188,9 +233,25 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
     for (int64_t b = 0; b < nblk; ++b) {
       pf.step();
       __m512i isum[R][C];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
-      if constexpr (Nib) {
+      for (int r = 0; r < R; ++r) {
+        __m512i start = _mm512_setzero_si512();
+#if defined(SLUICE_SIGN_TRICK)
+        // q - 127 was multiplied: 127 * sum(qx) back (boff is 128 * that sum).
+        if constexpr (Wide) start = _mm512_set1_epi32(x.boff[(m0 + r) * nblk + b] / 128 * kWideOffset);
+#endif
+        for (int c = 0; c < C; ++c) isum[r][c] = start;
+      }
+      if constexpr (Wide) {
+        for (int s = 0; s < kStepsPerBlock; ++s) {
+          const int64_t step = b * kStepsPerBlock + s;
+          __m512i wv[C];
+          for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (m0 + r) * Kp + step * 4;
+            for (int c = 0; c < C; ++c) isum[r][c] = dot4_wide(isum[r][c], wv[c], x.q + at, x.qabs ? x.qabs + at : nullptr);
+          }
+        }
+      } else if constexpr (Nib) {
         for (int s = 0; s < kStepsPerBlock; s += 2) {
           const int64_t step = b * kStepsPerBlock + s;
           __m512i w0[C], w1[C];
@@ -216,9 +277,12 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
         const __m512 bs = _mm512_set1_ps(x.bsums[(m0 + r) * nblk + b]);
         for (int c = 0; c < C; ++c) {
           const int64_t at = ((nb0 + c) * nblk + b) * kLanes;
-          const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(wd + at), sx);
+          const __m512 dv = _mm512_loadu_ps(wd + at);
+          const __m512 t = _mm512_mul_ps(dv, sx);
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), t, acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + at), bs, acc[r][c]);
+          const __m512 mv = (Wide && moff) ? _mm512_mul_ps(dv, _mm512_loadu_ps(moff + (nb0 + c) * kLanes))
+                                           : _mm512_loadu_ps(wm + at);
+          acc[r][c] = _mm512_fmadd_ps(mv, bs, acc[r][c]);
         }
       }
     }
@@ -237,49 +301,106 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
   }
 }
 
-template <int R, bool Nib = false>
+template <int R, bool Nib = false, bool Wide = false>
 void block_cols(int C, const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
-                const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
+                const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf,
+                const float* moff = nullptr) {
   if constexpr (kCols == 1) {  // one group at a time (the same sums, in the same order)
-    for (int c = 0; c < C; ++c) block<R, 1, Nib>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf);
+    for (int c = 0; c < C; ++c)
+      block<R, 1, Nib, Wide>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf, moff);
   } else {
     switch (C) {
-      case 1: return block<R, 1, Nib>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
-      case 2: return block<R, 2, Nib>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
-      default: return block<R, kCols, Nib>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf);
+      case 1: return block<R, 1, Nib, Wide>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      case 2: return block<R, 2, Nib, Wide>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      default: return block<R, kCols, Nib, Wide>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
     }
   }
 }
 
 }  // namespace
 
-// q: [N, K] uint8 in 0..15, d, m: [N, ceil(K / 32)] float32 -> (weights [N/16][Kp/4][16][4]
-// uint8, scales [N/16][nblk][16], minimums likewise), N padded to 16 (with zero scales
-// and minimums) and K to a whole block (with zero weights).
+// q: [N, K] uint8 in 0..15 (or, wide, 0..254), d, m: [N, ceil(K / 32)] float32 ->
+// (weights [N/16][Kp/4][16][4], uint8, or int8 when wide; scales [N/16][nblk][16], minimums
+// likewise), N padded to 16 (with zero scales and minimums) and K to a whole block (with
+// zero weights).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at::Tensor d, at::Tensor m) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "4-bit weights must be [N, K] uint8");
   const int64_t N = q.size(0), K = q.size(1), Kp = padded_k(K), nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
-  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, "4-bit weights must lie in 0..15");
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == nblk && m.sizes() == d.sizes(),
-              "one scale and one minimum per row and block of 32");
+  const int qmax = q.numel() == 0 ? 0 : q.max().item<uint8_t>();
+  TORCH_CHECK(qmax <= 254, "block weights must lie in 0..254");
+  const bool wide = qmax > 15;
+  const bool row_offsets = m.dim() == 1;  // symmetric rows: one -offset per row (see the top)
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == nblk &&
+              (m.sizes() == d.sizes() || (row_offsets && m.size(0) == N && wide)),
+              "one scale and one minimum per row and block of 32 (or, for wide weights, one -offset per row)");
   q = q.contiguous();
   d = d.to(at::kFloat).contiguous();
   m = m.to(at::kFloat).contiguous();
   const int64_t KS = Kp / 4;
   auto out = at::zeros({NB, KS, kLanes, 4}, q.options());
   auto od = at::zeros({NB, nblk, kLanes}, d.options());
-  auto om = at::zeros({NB, nblk, kLanes}, d.options());
+  auto om = row_offsets ? at::zeros({NB, kLanes}, d.options()) : at::zeros({NB, nblk, kLanes}, d.options());
   const uint8_t* src = q.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const int offset = wide ? kWideOffset : 0;
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t k = 0; k < K; ++k)
-      dst[(((n / kLanes) * KS + k / 4) * kLanes + n % kLanes) * 4 + k % 4] = src[n * K + k];
+      dst[(((n / kLanes) * KS + k / 4) * kLanes + n % kLanes) * 4 + k % 4] =
+          static_cast<uint8_t>(src[n * K + k] - offset);
     for (int64_t b = 0; b < nblk; ++b) {
       od.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = d.data_ptr<float>()[n * nblk + b];
-      om.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = m.data_ptr<float>()[n * nblk + b];
+      if (!row_offsets)
+        om.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = m.data_ptr<float>()[n * nblk + b];
     }
+    if (row_offsets) om.data_ptr<float>()[n] = m.data_ptr<float>()[n];
   }
-  return {out, od, om};
+  return {wide ? out.view(at::kChar) : out, od, om};
+}
+
+// Rows `ids` of the weights w4a8_pack_weight packed (from the byte layout, or from the
+// nibbles where the byte layout was left empty), as float32 q * d + m: an embedding table
+// read from the LM head's packed copy instead of a second one.
+at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t K,
+                     c10::optional<at::Tensor> nibbles) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
+  const int64_t Kp = padded_k(K), KS = Kp / 4, nblk = Kp / kBlock, NB = d.size(0);
+  const bool bytes = packed.numel() > 0, wide = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(bytes || nibbles.has_value(), "no weights to read");
+  const bool row_offsets = m.dim() == 2;
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
+              (m.sizes() == d.sizes() || (row_offsets && m.numel() == NB * kLanes)) && m.is_contiguous(),
+              "block scales and minimums packed by w4a8_pack_weight expected");
+  ids = ids.contiguous();
+  const int64_t T = ids.size(0);
+  auto out = at::empty({T, K}, d.options());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < NB * kLanes, "row out of range");
+  const uint8_t* wb = bytes ? static_cast<const uint8_t*>(packed.data_ptr()) : nullptr;
+  const uint8_t* wn = bytes ? nullptr : nibbles->data_ptr<uint8_t>();
+  const int offset = wide ? kWideOffset : 0;
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = ip[t], nb = n / kLanes, lane = n % kLanes;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t step = k / 4;
+        int q;
+        if (wb) {
+          q = wb[((nb * KS + step) * kLanes + lane) * 4 + k % 4];
+          if (wide) q = static_cast<uint8_t>(q + offset);
+        } else {
+          const uint8_t v = wn[((nb * (KS / 2) + step / 2) * kLanes + lane) * 4 + k % 4];
+          q = step % 2 ? v >> 4 : v & 0x0F;
+        }
+        const int64_t at = (nb * nblk + k / kBlock) * kLanes + lane;
+        const float mv = row_offsets ? dp[at] * mp[n] : mp[at];
+        op[t * K + k] = static_cast<float>(q) * dp[at] + mv;
+      }
+    }
+  });
+  return out;
 }
 
 // The byte layout [NB][KS][16][4] -> two steps a byte, [NB][KS / 2][16][4]: byte (j, l, i)
@@ -297,18 +418,26 @@ int64_t w4a8_nibble_max_rows() { return kNibbleMaxRows; }
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
   const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
-  const bool use_nibbles = nibbles.has_value() && M <= kNibbleMaxRows;
+  const bool wide = packed.scalar_type() == at::kChar;
+  const bool use_nibbles = !wide && nibbles.has_value() && M <= kNibbleMaxRows;
   if (!use_nibbles)  // (where nibbles serve every row count, the byte layout may be left empty)
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(0) == NB &&
+    TORCH_CHECK((wide || packed.scalar_type() == at::kByte) && packed.dim() == 4 && packed.size(0) == NB &&
                 packed.size(1) == KS, "weights packed by w4a8_pack_weight, matching [N, K], expected");
+  const bool row_offsets = wide && m.dim() == 2;
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
-              m.scalar_type() == at::kFloat && m.is_contiguous() && m.numel() == d.numel(),
+              m.scalar_type() == at::kFloat && m.is_contiguous() &&
+              (m.numel() == d.numel() || (row_offsets && m.numel() == NB * kLanes)),
               "block scales and minimums packed by w4a8_pack_weight expected");
   const auto bias_f = float_or_empty(bias);
   auto out = at::empty({M, N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  const uint8_t* w = use_nibbles ? nullptr : packed.data_ptr<uint8_t>();
+  const uint8_t* w = use_nibbles ? nullptr : static_cast<const uint8_t*>(packed.data_ptr());
+#if defined(SLUICE_SIGN_TRICK)
+  const Acts acts{x.q.data_ptr<int8_t>(), x.scales.data_ptr<float>(), x.bsums.data_ptr<float>(), Kp,
+                  x.qabs.data_ptr<int8_t>(), x.boff.data_ptr<int32_t>()};
+#else
   const Acts acts{x.q.data_ptr<int8_t>(), x.scales.data_ptr<float>(), x.bsums.data_ptr<float>(), Kp};
+#endif
   const float* wd = d.data_ptr<float>();
   const float* wm = m.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
@@ -322,6 +451,18 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
         case 1: return block_cols<1, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
         case 2: return block_cols<2, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
         default: return block_cols<kRows, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+      }
+    });
+    return out;
+  }
+  if (wide) {
+    const float* moff = row_offsets ? wm : nullptr;
+    for_panels(M, NB, kCols, kRows, w, KS * kLanes * 4, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+      switch (r) {
+        case 1: return block_cols<1, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
+        case 2: return block_cols<2, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
+        default:
+          return block_cols<kRows, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
       }
     });
     return out;

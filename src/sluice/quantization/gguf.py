@@ -1,0 +1,129 @@
+"""gguf: a GGUF's quantized weights multiplied in the file's own blocks, as llama.cpp does,
+instead of dequantized to bf16 (3-4x the bytes in memory and per decode step).
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors come from the loader as their own
+blocks (quantization/gguf_blocks.py: per block of 32, w = d * q + m, exactly the values
+ggml dequantizes to) into the w4a8 kernel family (backends/cpu/x86/w4a8.cpp: 4-bit q in
+nibbles, wider q a byte each) times int8 activations per block of 32, as ggml's own CPU
+dot products quantize activations to Q8_0. Every layer, the LM head included: the file's
+precision is the model's. Tensors of other types (Q6_K, whose scales cover 16 k; float
+matrices; the 2- and 3-bit K-quants) are requantized to 8-bit blocks of 32 (near-lossless:
+error at most max|w| / 254 per block), which the loader's log line names.
+
+The embedding table is read from the same packed blocks as the tied LM head (no second
+copy), and the dequantized bf16 weights the model loaded are released after packing: so
+this scheme cannot take weight updates (LLMEngine.update_weights refuses them).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sluice.models.linear import Linear
+from sluice.quantization.base import QuantizationScheme
+
+BLOCK = 32
+
+
+def quantize_8bit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit per block of 32 k (Q8_0's rounding) in the block kernels' form:
+    q + 127 in 0..254, d = max|w| / 127, m = -127 d. K is padded to whole blocks."""
+    w = weight.detach().float()
+    n, k = w.shape
+    nblk = -(-k // BLOCK)
+    wp = torch.nn.functional.pad(w, (0, nblk * BLOCK - k)).view(n, nblk, BLOCK)
+    d = wp.abs().amax(dim=2) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(wp / safe[..., None]).clamp(-127, 127) + 127
+    return q.view(n, -1)[:, :k].to(torch.uint8).contiguous(), d, -127 * d
+
+
+def _symmetric_offset(d: torch.Tensor, m: torch.Tensor) -> float | None:
+    """The offset o with m == -o * d in every block (Q8_0's 127, Q5_0's 16, Q4_0's 8, as
+    decode_blocks and quantize_8bit_blocks compute them), else None."""
+    for o in (127.0, 16.0, 8.0):
+        if torch.equal(m, -o * d):
+            return o
+    return None
+
+
+def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, m) of the whole weight: the file's blocks where the loader kept them
+    (`module.source_blocks`: first row -> (q, d, m)), 8-bit blocks of the loaded values
+    for rows it did not. Where the weights are wide (q past 15) and every row symmetric,
+    m is one -offset per row [N] instead of one minimum per block (w4a8.cpp computes
+    each block's as d times it: a quarter of the bytes of the 8-bit form not stored)."""
+    weight = module.weight
+    n, k = weight.shape
+    nblk = -(-k // BLOCK)
+    q = torch.empty(n, k, dtype=torch.uint8)
+    d, m = torch.empty(n, nblk), torch.empty(n, nblk)
+    offsets = torch.full((n,), 127.0)  # the 8-bit blocks' (quantize_8bit_blocks)
+    symmetric = True
+    covered = torch.zeros(n, dtype=torch.bool)
+    for start, (bq, bd, bm) in (getattr(module, "source_blocks", None) or {}).items():
+        rows = bq.shape[0]
+        q[start:start + rows], d[start:start + rows], m[start:start + rows] = bq, bd, bm
+        covered[start:start + rows] = True
+        offset = _symmetric_offset(bd, bm)
+        symmetric = symmetric and offset is not None
+        offsets[start:start + rows] = offset or 0.0
+    if not covered.all():
+        missing = (~covered).nonzero().flatten()
+        q[missing], d[missing], m[missing] = quantize_8bit_blocks(weight.detach()[missing])
+    if symmetric and int(q.max()) > 15:
+        return q, d, -offsets
+    return q, d, m
+
+
+@torch.no_grad()
+def release_weight(module: nn.Module) -> None:
+    """Drop the dequantized weight (the packed blocks are what the layer computes with): a
+    meta tensor keeps its shape and dtype, and anything that still read it would fail
+    loudly instead of computing with stale values."""
+    w = module.weight
+    module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    module.source_blocks = None
+
+
+class BlockRows:
+    """An embedding table read from packed blocks (kernels.w4a8_rows), in the model dtype."""
+
+    def __init__(self, kernels, method, k: int, dtype: torch.dtype):
+        self.kernels, self.method, self.k, self.dtype = kernels, method, k, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.method
+        rows = self.kernels.w4a8_rows(ids.reshape(-1).long(), w.w4a8, w.w4d, w.w4m, self.k, w.w4nib)
+        return rows.to(self.dtype).view(*ids.shape, self.k)
+
+
+class GGUF(QuantizationScheme):
+    name = "gguf"
+    keeps_weights = False
+
+    def quantize_rows(self, module, start=0, rows=None):
+        # The form is taken when the layer is packed (kernel_method): the file's blocks for
+        # the rows that have them. New rows would need the released weights: update_weights
+        # is refused before it gets here.
+        if start != 0 or (rows is not None and rows != module.weight.shape[0]):
+            raise ValueError("quantization='gguf' keeps the file's blocks and cannot requantize rows")
+
+    def kernel_method(self, kernels, model, name, module: Linear, dtype, deterministic):
+        from sluice.backends.cpu.linear import kernel_weight
+        method = kernel_weight(kernels, module.weight, None, deterministic, w4=source_form(module))
+        release_weight(module)
+        return method
+
+    def embedding_and_head(self, kernels, model, dtype, deterministic):
+        """Pack the embedding table (the tied head's weights too) and read the embedding's
+        rows from it; returns the tied head's method, or None for an untied model."""
+        from sluice.backends.cpu.linear import kernel_weight
+        emb = model.model.embed_tokens
+        method = kernel_weight(kernels, emb.weight, None, deterministic, w4=source_form(emb))
+        emb.method = BlockRows(kernels, method, emb.weight.shape[1], dtype)
+        release_weight(emb)
+        return method if model.lm_head is None else None
+
+
+GGUF_SCHEME = GGUF()

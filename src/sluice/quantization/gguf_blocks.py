@@ -1,0 +1,116 @@
+"""A GGUF tensor's own quantized blocks in the one form the block kernels read: per block of
+32 k of each row, w = d * q + m with q an unsigned byte (0..254), d and m float32.
+
+Each type's values come out exactly as ggml (and the gguf package) dequantizes them:
+- Q4_0, Q5_0, Q8_0: w = d * (q - offset), so q + offset... stored as q' in 0..15 / 0..31 /
+  0..254 with m = -offset * d (offset 8, 16 and 127: Q8_0's q is -127..127 as llama.cpp
+  quantizes; a block holding -128 cannot be kept);
+- Q4_1, Q5_1: w = d * q + m as stored;
+- Q4_K, Q5_K: super-blocks of 256 with a 6-bit scale and minimum per sub-block of 32:
+  d = d_super * scale, m = -dmin_super * min, both exact in float32.
+Q6_K's scales cover 16 k each, which no block of 32 holds exactly: it is not decoded here
+(quantization/gguf.py requantizes such tensors to 8-bit blocks and says so), nor are the
+2- and 3-bit K-quants and the i-quants.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+QK = 32
+QK_K = 256
+# ggml's type names whose blocks decode here.
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """16 bytes per block -> 32 values: the low nibbles are elements 0..15, the high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits32(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 bytes per block -> bit j of the little-endian uint32 for element j."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.astype(np.uint8)
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 6-bit scales and minimums packed in a K-quant super-block's 12 bytes
+    (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _k_quant_values(qs: np.ndarray, qh: np.ndarray | None) -> np.ndarray:
+    """Q4_K/Q5_K's 256 values per super-block: 4 chunks of 64, each 32 bytes whose low
+    nibbles are the chunk's first 32 values, high nibbles its last 32; Q5_K's fifth bit of
+    chunk j's first half is bit 2j of qh[l], of its second half bit 2j + 1."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, 4, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, 4, 64]
+    if qh is not None:
+        for j in range(4):
+            q[:, j, :32] |= ((qh >> (2 * j)) & 1) << 4
+            q[:, j, 32:] |= ((qh >> (2 * j + 1)) & 1) << 4
+    return q.reshape(n, QK_K)
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """raw: a 2-D tensor's bytes as stored (rows of whole blocks); shape: (rows, k).
+    Returns (q [rows, k] uint8, d, m [rows, k / 32] float32) with d * q + m the values ggml
+    dequantizes to, or None for a type (or block) this form cannot hold."""
+    rows, k = shape
+    b = np.ascontiguousarray(raw).reshape(-1)
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[type_name]
+        blk = b.reshape(-1, size)
+        d = _f16(blk[:, 0:2]).reshape(-1)
+        if type_name == "Q8_0":
+            qs = blk[:, 2:].view(np.int8)
+            if (qs == -128).any():
+                return None
+            q = (qs.astype(np.int16) + 127).astype(np.uint8)
+            m = -127.0 * d
+        elif type_name == "Q4_0":
+            q, m = _nibbles32(blk[:, 2:]), -8.0 * d
+        elif type_name == "Q4_1":
+            q, m = _nibbles32(blk[:, 4:]), _f16(blk[:, 2:4]).reshape(-1)
+        elif type_name == "Q5_0":
+            q = _nibbles32(blk[:, 6:]) | (_high_bits32(blk[:, 2:6]) << 4)
+            m = -16.0 * d
+        else:
+            q = _nibbles32(blk[:, 8:]) | (_high_bits32(blk[:, 4:8]) << 4)
+            m = _f16(blk[:, 2:4]).reshape(-1)
+        return (q.reshape(rows, k).astype(np.uint8), d.reshape(rows, k // QK).astype(np.float32),
+                np.asarray(m, np.float32).reshape(rows, k // QK))
+    if type_name in ("Q4_K", "Q5_K"):
+        size = 144 if type_name == "Q4_K" else 176
+        blk = b.reshape(-1, size)
+        dsup, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])           # [n, 1]
+        sc, mn = _scale_min_k4(blk[:, 4:16])                          # [n, 8]
+        if type_name == "Q4_K":
+            q = _k_quant_values(blk[:, 16:], None)
+        else:
+            q = _k_quant_values(blk[:, 48:], blk[:, 16:48])
+        d = dsup * sc.astype(np.float32)
+        m = -(dmin * mn.astype(np.float32))
+        return (q.reshape(rows, k).astype(np.uint8), d.reshape(rows, k // QK).astype(np.float32),
+                m.reshape(rows, k // QK).astype(np.float32))
+    return None
+
+
+def dequantize_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """d * q + m per block of 32, float32 [rows, k]."""
+    rows, k = q.shape
+    v = q.reshape(rows, k // QK, QK).astype(np.float32) * d[..., None] + m[..., None]
+    return v.reshape(rows, k)

@@ -1,0 +1,78 @@
+"""A GGUF's own quantized blocks (quantization/gguf_blocks.py) hold exactly the values the
+gguf package (ggml's reference) dequantizes to, for every type kept; and the loader hands
+them over with the rows in the model's order."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+from sluice.quantization.gguf import quantize_8bit_blocks
+from sluice.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks, dequantize_blocks
+
+# Byte offsets of each type's float16 scale fields within a block.
+F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+              "Q5_K": (0, 2)}
+
+
+def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random bytes as a tensor of `name` (every bit pattern of the quantized fields is a
+    valid block), with finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, k // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for at in F16_FIELDS[name]:
+        blocks[:, at:at + 2] = rng.uniform(1e-3, 5e-2, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if name == "Q8_0":
+        qs = blocks[:, 2:].view(np.int8)
+        qs[qs == -128] = -127  # llama.cpp's Q8_0 never stores -128 (see decode_blocks)
+    return raw
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_blocks_hold_ggml_values_exactly(name):
+    rows, k = 6, 512
+    raw = random_blocks(name, rows, k)
+    qtype = GGMLQuantizationType[name]
+    ref = dequantize(raw.reshape(quant_shape_to_byte_shape((rows, k), qtype)), qtype).reshape(rows, k)
+    q, d, m = decode_blocks(raw, name, (rows, k))
+    assert q.dtype == np.uint8 and q.max() <= 254 and d.shape == m.shape == (rows, k // 32)
+    assert np.array_equal(dequantize_blocks(q, d, m), ref.astype(np.float32))
+
+
+def test_types_without_an_exact_block_form_are_not_decoded():
+    raw = random_blocks("Q8_0", 2, 64)
+    raw.reshape(-1, 34)[0, 2] = 0x80  # a -128
+    assert decode_blocks(raw, "Q8_0", (2, 64)) is None
+    assert decode_blocks(np.zeros(210, np.uint8), "Q6_K", (1, 256)) is None
+
+
+def test_8bit_blocks_of_loaded_values():
+    w = torch.randn(5, 70) * torch.logspace(-3, 1, 70)
+    q, d, m = quantize_8bit_blocks(w)
+    assert q.max() <= 254 and d.shape == (5, 3)
+    qb = torch.nn.functional.pad(q.float(), (0, 26)).view(5, 3, 32)
+    back = (qb * d[..., None] + m[..., None]).view(5, 96)[:, :70]
+    err = (back - w).abs().view(5, -1)
+    bound = torch.nn.functional.pad(w.abs(), (0, 26)).view(5, 3, 32).amax(-1) / 254
+    assert (err <= bound.repeat_interleave(32, 1)[:, :70] * 1.0001).all()
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_loader_hands_over_the_files_blocks(model):
+    """Every matrix of a kept type comes with its blocks, in the model's row order (SmolLM2's
+    Q and K rows unpermuted like the values): they dequantize to the tensor loaded."""
+    from sluice.models.loader import iter_weights, resolve_model
+    kinds = set()
+    for name, tensor in iter_weights(resolve_model(model), torch.float32, blocks=True):
+        blocks = getattr(tensor, "gguf_blocks", None)
+        if blocks is None:
+            continue
+        kinds.add(name.split(".")[-2])
+        values = dequantize_blocks(*(b.numpy() for b in blocks))
+        assert np.array_equal(values, tensor.numpy()), name
+    assert {"q_proj", "k_proj", "down_proj", "embed_tokens"} <= kinds
