@@ -369,7 +369,7 @@ def test_no_hardware_branch_outside_backends():
 @pytest.mark.requires("kernels")
 def test_auto_quantization_runs_a_q4_1_gguf_in_its_own_form(kernel_isa, tiny_checkpoint, monkeypatch):
     """quantization='auto' (the default): the default model, a GGUF whose linear weights are
-    all Q4_1, runs w4a8 in bfloat16; a Hugging Face folder, float32, deterministic mode,
+    all Q4_1, runs w4a8 in bfloat16, other quantized GGUFs gguf; a Hugging Face folder, float32, deterministic mode,
     tensor parallelism and random weights run in full precision, and so does an explicit
     None. Where the kernels do not build, the automatic choice falls back to full precision
     while an explicit w4a8 is refused."""
@@ -379,6 +379,9 @@ def test_auto_quantization_runs_a_q4_1_gguf_in_its_own_form(kernel_isa, tiny_che
     from sluice.entrypoints.cli import build_parser
     cfg = EngineConfig.from_kwargs(cpu_isa=kernel_isa)
     assert (cfg.model.quantization, cfg.model.quantization_auto) == ("w4a8", True)
+    # A Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 matrices): its own blocks.
+    cfg = EngineConfig.from_kwargs(model="gemma3-270m", cpu_isa=kernel_isa)
+    assert (cfg.model.quantization, cfg.model.quantization_auto) == ("gguf", True)
     for kw in (dict(model=str(tiny_checkpoint("llama"))), dict(dtype="float32"), dict(deterministic=True),
                dict(tensor_parallel_size=2), dict(load_format="dummy"), dict(quantization=None)):
         assert EngineConfig.from_kwargs(cpu_isa=kernel_isa, **kw).model.quantization is None, kw

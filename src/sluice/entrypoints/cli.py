@@ -30,13 +30,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's weights; dummy: random weights of the model's shape from its "
                         "config alone, made on the device (to measure speed; default auto)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", *QUANTIZATION_NAMES],
-                   help="auto (default): a GGUF's quantized weights in their own form where a kernel here holds "
-                        "them exactly (a Q4_1 file in bfloat16 on the CPU: w4a8), else none; none: full "
+                   help="auto (default): a GGUF's quantized weights in their own form where the kernels run "
+                        "(bfloat16 on the CPU: a Q4_1 file w4a8, other quantized files gguf), else none; none: full "
                         "precision; int8: weight-only int8 linear layers (bfloat16, CPU), faster single-stream decode; "
                         "w8a8: the same weights times int8-quantized activations (sluice's kernels), faster "
                         "batches and prompts; w4a8: 4-bit weights (Q4_1's form, a Q4_1 GGUF's own values) times "
-                        "int8 activations, the fastest batches on AVX2 CPUs (docs/benchmarks.md has the quality "
-                        "cost of each)")
+                        "int8 activations, the fastest batches on AVX2 CPUs; gguf: a GGUF's own quantized blocks "
+                        "(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K; other types requantized to 8 bits) in every layer, "
+                        "as llama.cpp computes them, at about the file's size in memory (docs/benchmarks.md has the "
+                        "quality cost of each)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")

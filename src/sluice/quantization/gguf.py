@@ -11,7 +11,9 @@ matrices; the 2- and 3-bit K-quants) are requantized to 8-bit blocks of 32 (near
 error at most max|w| / 254 per block), which the loader's log line names.
 
 The embedding table is read from the same packed blocks as the tied LM head (no second
-copy), and the dequantized bf16 weights the model loaded are released after packing: so
+copy), 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte layout,
+faster from 8 rows there, would double their bytes), and the dequantized bf16 weights the
+model loaded are released after packing: so
 this scheme cannot take weight updates (LLMEngine.update_weights refuses them).
 """
 from __future__ import annotations
@@ -111,7 +113,8 @@ class GGUF(QuantizationScheme):
 
     def kernel_method(self, kernels, model, name, module: Linear, dtype, deterministic):
         from sluice.backends.cpu.linear import kernel_weight
-        method = kernel_weight(kernels, module.weight, None, deterministic, w4=source_form(module))
+        method = kernel_weight(kernels, module.weight, None, deterministic, w4=source_form(module),
+                               nibbles_only=True)
         release_weight(module)
         return method
 
@@ -120,7 +123,7 @@ class GGUF(QuantizationScheme):
         rows from it; returns the tied head's method, or None for an untied model."""
         from sluice.backends.cpu.linear import kernel_weight
         emb = model.model.embed_tokens
-        method = kernel_weight(kernels, emb.weight, None, deterministic, w4=source_form(emb))
+        method = kernel_weight(kernels, emb.weight, None, deterministic, w4=source_form(emb), nibbles_only=True)
         emb.method = BlockRows(kernels, method, emb.weight.shape[1], dtype)
         release_weight(emb)
         return method if model.lm_head is None else None

@@ -194,10 +194,14 @@ class CpuBackend(Backend):
 
     @classmethod
     def auto_quantization(cls, model_config, tensor_parallel_size: int) -> str | None:
-        """w4a8 for a GGUF whose decoder linear weights are all Q4_1, in bfloat16 on the
-        kernels: its 4-bit blocks are the file's own values (quantize_4bit finds them again),
-        so only the activations are rounded (KL from float32 0.0023 against bf16's 0.0008 on
-        the default model, docs/benchmarks.md "Quality"), at about twice the c32 throughput.
+        """For a GGUF whose decoder linear weights are quantized, in bfloat16 on the kernels:
+        - all Q4_1: w4a8, its 4-bit blocks the file's own values (quantize_4bit finds them
+          again), only the activations rounded (KL from float32 0.0023 against bf16's 0.0008
+          on the default model, docs/benchmarks.md "Quality"), at about twice the c32
+          throughput, with the end layers and the head in bf16 activations;
+        - other quantized types (Q4_K_M files and the like): gguf, the file's own blocks in
+          every layer as llama.cpp computes them, at ~1.2x the file's bytes in memory
+          instead of a bf16 copy at 3-4x (docs/benchmarks.md "K-quants").
         Not in deterministic mode, with tensor parallelism or random weights (none of them
         is what a plain start asks for), nor where the dtype or the kernels are not bf16's."""
         from sluice.backends.select import parse_dtype
@@ -213,7 +217,9 @@ class CpuBackend(Backend):
             types = gguf_linear_types(resolve_model(m.model))
         except ValueError:
             return None  # an unknown model: the loader says so
-        return "w4a8" if types == {"Q4_1"} else None
+        if types == {"Q4_1"}:
+            return "w4a8"
+        return "gguf" if types and not types & {"F32", "F16", "BF16", "F64"} else None
 
     @classmethod
     def check_settings(cls, model_config, cache_config, tensor_parallel_size: int) -> None:

@@ -60,14 +60,17 @@ class KernelWeight:
 
 def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None,
                   deterministic: bool, w8a8: bool = False,
-                  w4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> KernelWeight:
+                  w4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  nibbles_only: bool = False) -> KernelWeight:
+    """nibbles_only: 4-bit weights keep only their nibbles, at every row count (half the
+    memory on the AVX2 builds, which otherwise keep the byte layout for bigger steps)."""
     weight = weight.detach()
     if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
         packed, d, m = kernels.w4a8_pack_weight(*w4)
         if packed.dtype == torch.int8:  # wide weights (up to 254): the byte layout at every row count
             return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
         nibbles = kernels.w4a8_pack_nibbles(packed)
-        if kernels.w4a8_nibble_max_rows() >= 2**62:  # this build reads the nibbles at every row count
+        if nibbles_only or kernels.w4a8_nibble_max_rows() >= 2**62:  # nibbles at every row count
             packed = packed.new_empty(0)
         return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m, w4nib=nibbles)
     if q is None:

@@ -419,7 +419,9 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
                             c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
   const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
   const bool wide = packed.scalar_type() == at::kChar;
-  const bool use_nibbles = !wide && nibbles.has_value() && M <= kNibbleMaxRows;
+  // Nibbles at every row count where the byte layout was not kept (this build's choice
+  // above, or a caller's that puts memory first: quantization='gguf').
+  const bool use_nibbles = !wide && nibbles.has_value() && (M <= kNibbleMaxRows || packed.numel() == 0);
   if (!use_nibbles)  // (where nibbles serve every row count, the byte layout may be left empty)
     TORCH_CHECK((wide || packed.scalar_type() == at::kByte) && packed.dim() == 4 && packed.size(0) == NB &&
                 packed.size(1) == KS, "weights packed by w4a8_pack_weight, matching [N, K], expected");
