@@ -7,6 +7,8 @@
 #   ISA=avx2 bash benchmarks/llamacpp_build.sh     # AVX2-only build (as for Zen 3) on an
 #                                                  # AVX-512 machine      -> build-avx2
 #   ISA=avx2_vnni bash benchmarks/llamacpp_build.sh  # AVX2 + AVX-VNNI (as for Alder Lake)
+#   ISA=avx512 bash benchmarks/llamacpp_build.sh   # AVX-512 (VNNI, BF16) without AMX, for
+#                                                  # VMs where native's AMX path dies (SIGILL)
 #   SCRATCH=/some/dir JOBS=4 bash benchmarks/llamacpp_build.sh
 #
 # Steps (each skipped when its output exists, so rerunning is cheap):
@@ -65,8 +67,16 @@ case "$ISA" in
                    -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
                    -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=ON
                    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    avx512)
+        # AVX-512 with VNNI, BF16 and VBMI but no AMX: -march=native on a Sapphire Rapids VM
+        # whose kernel does not grant AMX state compiles ggml's AMX path, which then dies
+        # on its first ldtilecfg (SIGILL). What sluice's avx512 build is compared with.
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+                   -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+                   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF
+                   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
     *)
-        echo "ISA must be native, avx2 or avx2_vnni, not '$ISA'" >&2; exit 2 ;;
+        echo "ISA must be native, avx512, avx2 or avx2_vnni, not '$ISA'" >&2; exit 2 ;;
 esac
 
 mkdir -p "$SCRATCH" "$MODELS"

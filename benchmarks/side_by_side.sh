@@ -21,6 +21,8 @@
 #   MODELS [$SCRATCH/models]  PORT [8124]  ROUNDS [2]  THREADS [2, llama-server -t]
 #   OUTDIR [benchmarks/results/side_by_side]  C_HIGH/R_HIGH [32/64]  C_LOW/R_LOW [1/8]
 #   INPUT_LEN [210]  OUTPUT_LEN [128]  SEED [0]  WARMUP [1: one 8-token request first]
+#   BENCH_MODEL [smollm2-135m; the model name the client sends and whose tokenizer sizes
+#               the prompts: gemma3-270m beside SLUICE_CONFIGS="--model gemma3-270m ..."]
 #   WORKLOAD [standard; repetitive: `sluice bench serve --workload repetitive`, chat prompts
 #            whose answers repeat their context, for speculative decoding]
 #   EXTRA_BODY [none; JSON added to every request, e.g. '{"ignore_eos": false}']
@@ -60,6 +62,7 @@ C_LOW=${C_LOW:-1};    R_LOW=${R_LOW:-8}
 INPUT_LEN=${INPUT_LEN:-210}
 WORKLOAD=${WORKLOAD:-standard}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
+BENCH_MODEL=${BENCH_MODEL:-smollm2-135m}
 SEED=${SEED:-0}
 WARMUP=${WARMUP:-1}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-600}
@@ -103,8 +106,8 @@ fi
 for c in "${CONFIGS[@]}"; do
     if [[ "$c" == llamacpp_* ]]; then
         [ -x "$BIN/llama-server" ] || { echo "no $BIN/llama-server: run benchmarks/llamacpp_build.sh" >&2; exit 1; }
-        m=$(echo "$c" | grep -o 'SmolLM2-135M-Instruct\.[A-Za-z0-9_]*\.gguf')
-        [ -e "$MODELS/$m" ] || { echo "no $MODELS/$m: run benchmarks/llamacpp_build.sh" >&2; exit 1; }
+        m=$(echo "$c" | grep -o 'SmolLM2-135M-Instruct\.[A-Za-z0-9_]*\.gguf' || true)  # (EXTRA_CONFIGS: any file)
+        [ -z "$m" ] || [ -e "$MODELS/$m" ] || { echo "no $MODELS/$m: run benchmarks/llamacpp_build.sh" >&2; exit 1; }
     fi
 done
 if [ -n "${DRY_RUN:-}" ]; then
@@ -146,7 +149,7 @@ bench() {  # OUT.json CONCURRENCY REQUESTS OUTPUT_LEN SEED
     [ -n "${EXTRA_BODY:-}" ] && extra+=(--extra-body "$EXTRA_BODY")
     .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" "${extra[@]}" \
         --concurrency "$2" --requests "$3" --input-len "$INPUT_LEN" --output-len "$4" --seed "$5" --json "$1" \
-        --workload "$WORKLOAD"
+        --workload "$WORKLOAD" --model "$BENCH_MODEL" --tokenizer "$BENCH_MODEL"
 }
 
 NAMES=()

@@ -102,6 +102,8 @@ class Metrics:
         self.weight_version = Gauge("sluice_weight_version_info", "The weights the engine runs: 1 for the current "
                                     "weight_version", labels + ["version"], registry=r)
         self.asleep = Gauge("sluice_engine_asleep", "1 while the KV cache is freed (POST /sleep)", labels, registry=r)
+        self.weight_bytes = Gauge("sluice_weight_bytes", "Bytes of the weights in memory (packed and quantized "
+                                  "forms included, each once; the KV cache apart)", labels, registry=r)
         self._weights_seen: tuple = ()
         self.set_weights("0", 0, False)
         self._spec_seen: dict = {}
@@ -168,6 +170,7 @@ class Metrics:
         if sched.spec is not None:
             self._observe_spec(sched.spec.stats)
         self.set_weights(engine.weight_version, engine.num_weight_updates, engine.asleep)
+        self.weight_bytes.labels(m).set(engine.weight_bytes)
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
 

@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 
 from sluice import LLM, SamplingParams
 from sluice.models.linear import Linear
-from sluice.models.loader import _gguf_array, read_gguf
+from sluice.models.loader import _gguf_array, gguf_tensor_bytes, read_gguf
 from tests.conftest import assert_all_blocks_free
 
 
@@ -25,6 +25,9 @@ def test_gguf_quantization_serves_the_files_blocks(smollm2_source, best_kernel_i
     assert emb.weight.device.type == "meta" and emb.method.method.w4a8 is model.head.w4a8
     assert model.head.w4a8.dtype == torch.int8  # Q8_0: the wide byte form
     assert model.model.layers[3].mlp.down_proj.method.w4d is not None
+    # Memory after load: the file's tensor bytes and a fifth (its Q4_1 blocks as nibbles with
+    # float32 scales and minimums: 6 bits a weight for 5; Q8_0 as bytes with a float32 scale).
+    assert llm.engine.weight_bytes <= 1.2 * gguf_tensor_bytes(smollm2_source.path)
     # The embedding's rows are the file's Q8_0 values, to bf16 rounding.
     meta, tensors, data = read_gguf(smollm2_source.path)
     t = next(t for t in tensors if t.name == "token_embd.weight")

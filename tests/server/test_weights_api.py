@@ -110,6 +110,7 @@ def test_sleep_and_wake_up(weights_server):
     r = httpx.post(f"{url}/v1/completions", headers=ADMIN, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_asleep"
     assert metric_value(url, "sluice_engine_asleep") == 1
+    assert metric_value(url, "sluice_weight_bytes") == weights_server.engine.engine.weight_bytes > 0
     assert httpx.post(f"{url}/wake_up", headers=ADMIN).status_code == 200
     assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
     greedy(url)

@@ -182,3 +182,42 @@ class Backend:
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (timings); nothing where work is synchronous."""
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the distinct tensors a prepared model computes with: its parameters and
+    buffers (none for a weight a quantization scheme released) and what the backend's
+    methods on its modules hold (packed weights, scales, a head's copy), each storage
+    counted once. What "memory after load" means for the weights (the KV cache apart)."""
+    import dataclasses
+    import types
+
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if t.device.type != "meta":
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+
+    def walk(obj, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+        elif depth > 3 or obj is None or isinstance(obj, (types.ModuleType, torch.nn.Module, type)):
+            return
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), depth + 1)
+        elif isinstance(obj, (tuple, list)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif hasattr(obj, "__dict__"):
+            for x in vars(obj).values():
+                walk(x, depth + 1)
+
+    for t in [*model.parameters(), *model.buffers()]:
+        add(t)
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if not name.startswith("_"):
+                walk(value, 0)
+    return sum(storages.values())

@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 
 from sluice import quantization
+from sluice.backends.base import weight_bytes
 from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
@@ -31,7 +32,7 @@ from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
 from sluice.distributed.parallel import check_tp_size, split
 from sluice.distributed.tensor_parallel import TensorParallel
-from sluice.models.loader import iter_weights, load_hf_config, resolve_model
+from sluice.models.loader import gguf_tensor_bytes, iter_weights, load_hf_config, resolve_model
 from sluice.models.registry import model_arch
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
@@ -169,7 +170,11 @@ class LLMEngine:
         self.overlap = bool(config.scheduler.async_scheduling) and self.tp is None
         self._inflight: Launched | None = None
         self._stashed: list[RequestOutput] = []
-        logger.info("loaded %s (%s) in %.1fs%s", src.path, self.dtype, time.perf_counter() - t0,
+        self.weight_bytes = weight_bytes(self.shard.model)
+        file_bytes = gguf_tensor_bytes(src.path) if src.is_gguf else None
+        logger.info("loaded %s (%s) in %.1fs; weights %.0f MB in memory%s%s", src.path, self.dtype,
+                    time.perf_counter() - t0, self.weight_bytes / 1e6,
+                    f" (the file's tensors: {file_bytes / 1e6:.0f} MB)" if file_bytes else "",
                     "; asynchronous scheduling" if self.overlap else "")
 
     def _speculator(self) -> Speculator | None:

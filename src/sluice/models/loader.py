@@ -174,6 +174,16 @@ def check_gguf(path: Path) -> None:
                              "the file is truncated")
 
 
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensor data, as stored (header and vocabulary apart)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    total = 0
+    for t in read_gguf(path)[1]:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        total += int(np.prod(t.shape)) * size // block
+    return total
+
+
 # Bump when what gguf_converted writes changes.
 _CONVERTED_FORMAT = 2
 
