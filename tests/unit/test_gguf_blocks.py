@@ -62,13 +62,12 @@ def test_8bit_blocks_of_loaded_values():
     assert (err <= bound.repeat_interleave(32, 1)[:, :70] * 1.0001).all()
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-def test_loader_hands_over_the_files_blocks(model):
+def test_loader_hands_over_the_files_blocks():
     """Every matrix of a kept type comes with its blocks, in the model's row order (SmolLM2's
     Q and K rows unpermuted like the values): they dequantize to the tensor loaded."""
     from sluice.models.loader import iter_weights, resolve_model
     kinds = set()
-    for name, tensor in iter_weights(resolve_model(model), torch.float32, blocks=True):
+    for name, tensor in iter_weights(resolve_model("smollm2-135m"), torch.float32, blocks=True):
         blocks = getattr(tensor, "gguf_blocks", None)
         if blocks is None:
             continue
@@ -76,3 +75,44 @@ def test_loader_hands_over_the_files_blocks(model):
         values = dequantize_blocks(*(b.numpy() for b in blocks))
         assert np.array_equal(values, tensor.numpy()), name
     assert {"q_proj", "k_proj", "down_proj", "embed_tokens"} <= kinds
+
+
+def test_gemma_q4_k_m_blocks_hold_the_files_values():
+    """The real K-quant file's types (one layer's Q5_0, Q8_0 and Q4_K matrices): exact."""
+    from sluice.models.loader import _gguf_array, read_gguf, resolve_model
+    meta, tensors, data = read_gguf(resolve_model("gemma3-270m").path)
+    seen = set()
+    for t in tensors:
+        qtype = GGMLQuantizationType(t.ggml_type)
+        if not t.name.startswith("blk.1.") or len(t.shape) != 2:
+            continue
+        raw = _gguf_array(data, t)
+        blocks = decode_blocks(raw, qtype.name, t.shape)
+        if qtype.name == "Q6_K":
+            assert blocks is None
+            continue
+        seen.add(qtype.name)
+        assert np.array_equal(dequantize_blocks(*blocks), dequantize(raw, qtype).reshape(t.shape)), t.name
+    assert seen == {"Q5_0", "Q8_0", "Q4_K"}
+
+
+def test_source_form_keeps_offsets_for_symmetric_rows_and_minimums_otherwise():
+    """A fused layer's rows from three tensors: Q5_0 (m = -16 d) and Q8_0 (m = -127 d)
+    rows give one -offset per row; a Q4_K part (its own minimums) gives per-block minimums;
+    rows the file did not give as blocks are 8-bit blocks of the loaded values."""
+    from sluice.models.linear import Linear
+    from sluice.quantization.gguf import source_form
+
+    def part(name, rows, seed):
+        return tuple(torch.from_numpy(a) for a in decode_blocks(random_blocks(name, rows, 256, seed), name,
+                                                                 (rows, 256)))
+    layer = Linear(256, 12, bias=False)
+    layer.source_blocks = {0: part("Q5_0", 4, 1), 4: part("Q8_0", 4, 2)}
+    q, d, m = source_form(layer)  # rows 8..11: from the loaded weight
+    assert m.shape == (12,) and m[:4].eq(-16).all() and m[4:].eq(-127).all()
+    assert torch.equal(q[:8], torch.cat([layer.source_blocks[0][0], layer.source_blocks[4][0]]))
+    assert torch.equal(q[8:], quantize_8bit_blocks(layer.weight.detach()[8:])[0])
+    layer.source_blocks[8] = part("Q4_K", 4, 3)
+    q, d, m = source_form(layer)
+    assert m.shape == (12, 8) and torch.equal(m[8:], layer.source_blocks[8][2])
+    assert torch.equal(m[:4], -16 * d[:4])

@@ -127,9 +127,8 @@ def gguf_linear_types(src: ModelSource) -> set[str]:
     from its header alone (memory-mapped, no tensor data touched); empty for a folder."""
     if not src.is_gguf:
         return set()
-    from gguf import GGUFReader
-    reader = GGUFReader(str(src.path))
-    return {t.tensor_type.name for t in reader.tensors
+    from gguf.constants import GGMLQuantizationType
+    return {GGMLQuantizationType(t.ggml_type).name for t in read_gguf(src.path)[1]
             if t.name.startswith("blk.") and t.name.split(".")[-2] in GGUF_LINEAR_KINDS}
 
 
