@@ -119,7 +119,8 @@ def resolve_model(model: str) -> ModelSource:
 
 
 # GGUF tensor names of the decoder layers' linear weights (blk.N.<kind>.weight).
-GGUF_LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+GGUF_LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                     "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def gguf_linear_types(src: ModelSource) -> set[str]:
@@ -140,7 +141,8 @@ def load_hf_config(src: ModelSource):
             converted = gguf_converted(src)
             if converted is not None:
                 return AutoConfig.from_pretrained(str(converted))
-            return AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
+            return gguf_config_fixups(AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name),
+                                      read_gguf(src.path)[0])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{src.path}: transformers cannot read this GGUF's metadata "
                              f"({type(e).__name__}: {e})") from None
@@ -183,8 +185,20 @@ def gguf_tensor_bytes(path: Path) -> int:
     return total
 
 
+def gguf_config_fixups(config, meta: dict):
+    """What transformers' GGUF config reading leaves out: a Qwen3-MoE file's expert width
+    (`expert_feed_forward_length`; transformers keeps its default) and its renormalised
+    top-k weights (llama.cpp's qwen3moe graph always renormalises)."""
+    if config.model_type == "qwen3_moe":
+        width = meta.get("qwen3moe.expert_feed_forward_length")
+        if width:
+            config.moe_intermediate_size = int(width)
+        config.norm_topk_prob = True
+    return config
+
+
 # Bump when what gguf_converted writes changes.
-_CONVERTED_FORMAT = 2
+_CONVERTED_FORMAT = 3
 
 
 def gguf_converted(src: ModelSource) -> Path | None:
@@ -214,7 +228,8 @@ def gguf_converted(src: ModelSource) -> Path | None:
         return None
     try:
         from transformers import AutoConfig, AutoTokenizer
-        AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name).save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
+        gguf_config_fixups(config, read_gguf(src.path)[0]).save_pretrained(tmp)
         tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
         if not getattr(tok, "chat_template", None):
             tok.chat_template = read_gguf_chat_template(src.path)
@@ -265,7 +280,10 @@ _GGUF_LAYER = {
     "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' weights, all experts in one 3-D tensor [experts, rows, k].
+_EXPERTS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP there.
 _GGUF_LAYER_GEMMA = {**_GGUF_LAYER, "post_attention_norm": "post_attention_layernorm",
                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -399,9 +417,22 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
     n_kv = meta[f"{arch}.attention.head_count_kv"]
     norm_plus_one = arch in _GGUF_NORM_PLUS_ONE
     for t in tensors:
-        name = gguf_to_hf_name(t.name, arch)
         qtype = GGMLQuantizationType(t.ggml_type)
         raw = _gguf_array(data, t)
+        experts = _EXPERTS_RE.match(t.name)
+        if experts:  # one HF tensor per expert, each with its own blocks
+            layer, proj = experts.groups()
+            w = dequantize(raw, qtype).reshape(t.shape)
+            for e in range(t.shape[0]):
+                own = decode_blocks(raw[e], qtype.name, t.shape[1:]) if blocks else None
+                if blocks:
+                    (kept if own is not None else requantized)[qtype.name] += 1
+                tensor = torch.from_numpy(np.array(w[e], dtype=np.float32)).to(dtype)
+                if own is not None:
+                    tensor.gguf_blocks = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in own)
+                yield f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight", tensor
+            continue
+        name = gguf_to_hf_name(t.name, arch)
         w = dequantize(raw, qtype).reshape(t.shape)
         own = decode_blocks(raw, qtype.name, t.shape) if blocks and len(t.shape) == 2 else None
         if blocks and len(t.shape) == 2:
