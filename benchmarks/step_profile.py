@@ -1,7 +1,7 @@
 """Where a step's milliseconds go, offline and served, against the floor each part is
 judged by.
 
-    python benchmarks/step_profile.py [--quantization auto] [--kv-cache-dtype auto]
+    python benchmarks/step_profile.py [--model smollm2-135m] [--quantization auto] [--kv-cache-dtype auto]
         [--batches 1,8,32,128] [--served 1,32] [--json F]
 
 Offline, one engine (speculation off, so every step is a plain decode): for each batch of
@@ -84,7 +84,7 @@ def kv_bytes_per_token(engine) -> float:
 
 def offline(args, gbps: float) -> tuple[list[dict], dict]:
     from sluice import LLMEngine, SamplingParams
-    engine = LLMEngine.from_kwargs(speculative_method=None, quantization=args.quantization,
+    engine = LLMEngine.from_kwargs(model=args.model, speculative_method=None, quantization=args.quantization,
                                    kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(args.batches) + 1,
                                    kv_cache_memory=1.0)
     model = engine.runner.model
@@ -211,7 +211,7 @@ def served(args, offline_rows: list[dict]) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = ["--port", str(port), "--speculative-method", "off", "--kv-cache-dtype", args.kv_cache_dtype,
+    flags = ["--port", str(port), "--model", args.model, "--speculative-method", "off", "--kv-cache-dtype", args.kv_cache_dtype,
              "--quantization", "none" if args.quantization is None else args.quantization]
     log = open(args.out_dir / "step_profile_server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", *flags], stdout=log,
@@ -230,7 +230,7 @@ def served(args, offline_rows: list[dict]) -> list[dict]:
         for c in args.served:
             report = args.out_dir / f"step_profile_c{c}.json"
             subprocess.run([sys.executable, "-m", "sluice.entrypoints.cli", "bench", "serve", "--url",
-                            f"http://127.0.0.1:{port}", "--concurrency", str(c), "--requests", str(max(8, 2 * c)),
+                            f"http://127.0.0.1:{port}", "--model", args.model, "--tokenizer", args.model, "--concurrency", str(c), "--requests", str(max(8, 2 * c)),
                             "--input-len", "64", "--output-len", "64", "--json", str(report)],
                            check=True, capture_output=True)
             r = json.loads(report.read_text())["runs"][0]
@@ -247,7 +247,8 @@ def served(args, offline_rows: list[dict]) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quantization", default="auto", help="auto (the default), none, int8, w8a8, w4a8")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--quantization", default="auto", help="auto (the default), none, int8, w8a8, w4a8, gguf")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--served", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
