@@ -195,9 +195,13 @@ def weight_bytes(model) -> int:
     storages: dict[int, int] = {}
 
     def add(t: torch.Tensor) -> None:
-        if t.device.type != "meta":
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        if t.device.type == "meta":
+            return
+        if t.layout != torch.strided:  # oneDNN's prepacked weights: opaque, no storage to share
+            storages[id(t)] = t.numel() * t.element_size()
+            return
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
 
     def walk(obj, depth: int) -> None:
         if isinstance(obj, torch.Tensor):
