@@ -48,3 +48,16 @@ def test_gguf_quantization_serves_the_files_blocks(smollm2_source, best_kernel_i
         llm.engine.update_weights({"model.norm.weight": torch.ones(576)})
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="gguf", kv_cache_memory=0.1)
+
+
+def test_gguf_quantization_is_batch_invariant_in_deterministic_mode(smollm2_source, best_kernel_isa):
+    """Every layer's block kernel and the embedding's row reads are per row: a request's
+    tokens and logprobs are the same bits alone and batched."""
+    llm = LLM(cpu_isa=best_kernel_isa, quantization="gguf", deterministic=True, kv_cache_memory=0.1)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was"]
+    alone = [llm.generate(p, params)[0].outputs[0] for p in prompts]
+    batched = [o.outputs[0] for o in llm.generate(prompts, params)]
+    def bits(o):
+        return o.token_ids, [sorted((t, lp.logprob, lp.rank) for t, lp in step.items()) for step in o.logprobs]
+    assert [bits(o) for o in alone] == [bits(o) for o in batched]

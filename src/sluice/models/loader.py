@@ -129,6 +129,7 @@ def gguf_linear_types(src: ModelSource) -> set[str]:
     if not src.is_gguf:
         return set()
     from gguf.constants import GGMLQuantizationType
+    check_gguf(src.path)  # a broken file: its one ValueError
     return {GGMLQuantizationType(t.ggml_type).name for t in read_gguf(src.path)[1]
             if t.name.startswith("blk.") and t.name.split(".")[-2] in GGUF_LINEAR_KINDS}
 
