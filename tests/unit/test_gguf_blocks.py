@@ -9,8 +9,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from sluice.quantization.gguf import quantize_8bit_blocks
-from sluice.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks, dequantize_blocks
+from sluice.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks, dequantize_blocks, quantize_8bit_blocks
 
 # Byte offsets of each type's float16 scale fields within a block.
 F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
@@ -63,17 +62,22 @@ def test_8bit_blocks_of_loaded_values():
 
 
 def test_loader_hands_over_the_files_blocks():
-    """Every matrix of a kept type comes with its blocks, in the model's row order (SmolLM2's
-    Q and K rows unpermuted like the values): they dequantize to the tensor loaded."""
+    """With blocks, every matrix of a kept type comes as a meta tensor (never dequantized)
+    carrying its blocks, in the model's row order (SmolLM2's Q and K rows unpermuted like
+    the values): they hold the values a plain load gives."""
     from sluice.models.loader import iter_weights, resolve_model
+    src = resolve_model("smollm2-135m")
     kinds = set()
-    for name, tensor in iter_weights(resolve_model("smollm2-135m"), torch.float32, blocks=True):
+    for (name, tensor), (name2, plain) in zip(iter_weights(src, torch.float32, blocks=True),
+                                             iter_weights(src, torch.float32)):
+        assert name == name2
         blocks = getattr(tensor, "gguf_blocks", None)
-        if blocks is None:
+        if plain.dim() != 2:
+            assert blocks is None and torch.equal(tensor, plain)
             continue
+        assert tensor.device.type == "meta" and tensor.shape == plain.shape, name  # Q4_1 and Q8_0: kept
         kinds.add(name.split(".")[-2])
-        values = dequantize_blocks(*(b.numpy() for b in blocks))
-        assert np.array_equal(values, tensor.numpy()), name
+        assert np.array_equal(dequantize_blocks(*(b.numpy() for b in blocks)), plain.numpy()), name
     assert {"q_proj", "k_proj", "down_proj", "embed_tokens"} <= kinds
 
 

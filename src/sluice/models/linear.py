@@ -10,17 +10,45 @@ and only rank 0 adds the bias, so that it is added once.
 
 Embedding's `method(ids)`, where set, reads the rows from the backend's own copy of the
 table (a GGUF's quantized blocks, shared with a tied LM head: quantization/gguf.py).
+
+Built inside `weights_unallocated()`, both layers' weights are meta tensors (shape and
+dtype, no memory): for a load that hands the weights over in another form (a GGUF's own
+blocks, `model.load_weights` with `tensor.gguf_blocks`), so a model bigger than memory in
+bf16 never needs its bf16 size at load.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+_unallocated = False
+
+
+@contextmanager
+def weights_unallocated():
+    """Linear and Embedding layers built in this block get meta weights (biases as usual)."""
+    global _unallocated
+    saved, _unallocated = _unallocated, True
+    try:
+        yield
+    finally:
+        _unallocated = saved
+
+
 class Linear(nn.Linear):
     method = None  # set by the backend; None: F.linear on the weight as loaded
     reduce = None  # row-parallel: the tensor-parallel group (TPGroup) to all-reduce over
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        if not _unallocated:
+            super().__init__(in_features, out_features, bias)
+            return
+        super().__init__(in_features, out_features, False, device="meta")
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.reduce is None or self.reduce.rank == 0 else None
@@ -33,6 +61,9 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Embedding):
     method = None  # set by the backend; None: the table as loaded
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim, device="meta" if _unallocated else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.method(ids) if self.method is not None else super().forward(ids)

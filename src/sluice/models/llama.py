@@ -24,6 +24,7 @@ from torch import nn
 from sluice.backends.torch_ref import TORCH_OPS
 from sluice.distributed.parallel import SINGLE, TPShard, split
 from sluice.models.linear import Embedding, Linear
+from sluice.quantization.gguf_blocks import blocks_values
 
 
 @dataclass
@@ -448,8 +449,14 @@ class LlamaForCausalLM(nn.Module):
             part = slot.take(tensor)
             param = params[slot.param]
             dst = param if slot.offset == 0 and part.shape == param.shape else param.narrow(0, slot.offset, part.shape[0])
-            dst.copy_(part)
             blocks = getattr(tensor, "gguf_blocks", None)
+            if dst.device.type == "meta":  # a layer built without weights: its blocks are
+                if blocks is None or part.shape != tensor.shape:
+                    raise ValueError(f"{name}: a layer built without weights takes a GGUF's blocks whole")
+            elif tensor.device.type == "meta":  # only the blocks came: the values from them
+                dst.copy_(blocks_values(*blocks))
+            else:
+                dst.copy_(part)
             if blocks is not None and part.shape == tensor.shape:
                 # The file's own quantized blocks of these rows, for quantization='gguf'.
                 owner = self.get_submodule(slot.param.rpartition(".")[0])

@@ -246,8 +246,10 @@ def gguf_converted(src: ModelSource) -> Path | None:
 
 def iter_weights(src: ModelSource, dtype: torch.dtype, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face parameter name, tensor in `dtype`) for every tensor of the checkpoint.
-    blocks: a GGUF's quantized matrices also carry their blocks (quantization/gguf_blocks.py)
-    as `tensor.gguf_blocks`, (q, d, m), rows in the model's order."""
+    blocks: a GGUF's matrices carry their blocks (quantization/gguf_blocks.py) as
+    `tensor.gguf_blocks`, (q, d, m), rows in the model's order: the file's own where it
+    has them (the tensor is then a meta tensor: nothing dequantized), else 8-bit blocks of
+    the values."""
     if src.is_gguf:
         yield from _iter_gguf(src.path, dtype, blocks)
     else:
@@ -408,7 +410,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from sluice.quantization.gguf_blocks import decode_blocks
+    from sluice.quantization.gguf_blocks import decode_blocks, quantize_8bit_blocks
     kept, requantized = Counter(), Counter()
     meta, tensors, data = read_gguf(path)
     arch = meta["general.architecture"]
@@ -417,37 +419,47 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
     n_head = meta[f"{arch}.attention.head_count"]
     n_kv = meta[f"{arch}.attention.head_count_kv"]
     norm_plus_one = arch in _GGUF_NORM_PLUS_ONE
+
+    def matrix(raw, qtype, shape, heads):
+        """A 2-D tensor in `dtype`; with blocks, its blocks attached: the file's own (the
+        tensor then a meta one, never dequantized), else 8-bit ones of its values."""
+        own = decode_blocks(raw, qtype.name, shape) if blocks else None
+        if own is not None:
+            kept[qtype.name] += 1
+            if permute and heads is not None:
+                own = tuple(unpermute_qk(a, heads) for a in own)
+            tensor = torch.empty(shape, dtype=dtype, device="meta")
+            tensor.gguf_blocks = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in own)
+            return tensor
+        w = dequantize(raw, qtype).reshape(shape)
+        if permute and heads is not None:
+            w = unpermute_qk(w, heads)
+        values = torch.from_numpy(np.array(w, dtype=np.float32))
+        tensor = values.to(dtype)
+        if blocks:
+            requantized[qtype.name] += 1
+            tensor.gguf_blocks = quantize_8bit_blocks(values)
+        return tensor
+
     for t in tensors:
         qtype = GGMLQuantizationType(t.ggml_type)
         raw = _gguf_array(data, t)
         experts = _EXPERTS_RE.match(t.name)
-        if experts:  # one HF tensor per expert, each with its own blocks
+        if experts:  # one HF tensor per expert
             layer, proj = experts.groups()
-            w = dequantize(raw, qtype).reshape(t.shape)
             for e in range(t.shape[0]):
-                own = decode_blocks(raw[e], qtype.name, t.shape[1:]) if blocks else None
-                if blocks:
-                    (kept if own is not None else requantized)[qtype.name] += 1
-                tensor = torch.from_numpy(np.array(w[e], dtype=np.float32)).to(dtype)
-                if own is not None:
-                    tensor.gguf_blocks = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in own)
-                yield f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight", tensor
+                yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight",
+                       matrix(raw[e], qtype, t.shape[1:], None))
             continue
         name = gguf_to_hf_name(t.name, arch)
+        if len(t.shape) == 2:
+            heads = n_head if name.endswith("q_proj.weight") else n_kv if name.endswith("k_proj.weight") else None
+            yield name, matrix(raw, qtype, t.shape, heads)
+            continue
         w = dequantize(raw, qtype).reshape(t.shape)
-        own = decode_blocks(raw, qtype.name, t.shape) if blocks and len(t.shape) == 2 else None
-        if blocks and len(t.shape) == 2:
-            (kept if own is not None else requantized)[qtype.name] += 1
         if norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0
-        heads = n_head if name.endswith("q_proj.weight") else n_kv if name.endswith("k_proj.weight") else None
-        if permute and heads is not None:
-            w = unpermute_qk(w, heads)
-            own = None if own is None else tuple(unpermute_qk(a, heads) for a in own)
-        tensor = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
-        if own is not None:
-            tensor.gguf_blocks = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in own)
-        yield name, tensor
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
     if blocks:
         def tally(c):
             return ", ".join(f"{n} x{c[n]}" for n in sorted(c)) or "none"

@@ -8,7 +8,7 @@ nibbles, wider q a byte each) times int8 activations per block of 32, as ggml's 
 dot products quantize activations to Q8_0. Every layer, the LM head included: the file's
 precision is the model's. Tensors of other types (Q6_K, whose scales cover 16 k; float
 matrices; the 2- and 3-bit K-quants) are requantized to 8-bit blocks of 32 (near-lossless:
-error at most max|w| / 254 per block), which the loader's log line names.
+error at most max|w| / 254 per block) by the loader, whose log line names them.
 
 The embedding table is read from the same packed blocks as the tied LM head (no second
 copy), 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte layout,
@@ -23,21 +23,9 @@ from torch import nn
 
 from sluice.models.linear import Linear
 from sluice.quantization.base import QuantizationScheme
+from sluice.quantization.gguf_blocks import quantize_8bit_blocks
 
 BLOCK = 32
-
-
-def quantize_8bit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Symmetric 8-bit per block of 32 k (Q8_0's rounding) in the block kernels' form:
-    q + 127 in 0..254, d = max|w| / 127, m = -127 d. K is padded to whole blocks."""
-    w = weight.detach().float()
-    n, k = w.shape
-    nblk = -(-k // BLOCK)
-    wp = torch.nn.functional.pad(w, (0, nblk * BLOCK - k)).view(n, nblk, BLOCK)
-    d = wp.abs().amax(dim=2) / 127
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = torch.round(wp / safe[..., None]).clamp(-127, 127) + 127
-    return q.view(n, -1)[:, :k].to(torch.uint8).contiguous(), d, -127 * d
 
 
 def _symmetric_offset(d: torch.Tensor, m: torch.Tensor) -> float | None:
@@ -71,6 +59,8 @@ def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         symmetric = symmetric and offset is not None
         offsets[start:start + rows] = offset or 0.0
     if not covered.all():
+        if weight.device.type == "meta":
+            raise ValueError(f"a layer of shape {tuple(weight.shape)} has neither quantized blocks nor weights")
         missing = (~covered).nonzero().flatten()
         q[missing], d[missing], m[missing] = quantize_8bit_blocks(weight.detach()[missing])
     if symmetric and int(q.max()) > 15:

@@ -8,13 +8,14 @@ Each type's values come out exactly as ggml (and the gguf package) dequantizes t
 - Q4_1, Q5_1: w = d * q + m as stored;
 - Q4_K, Q5_K: super-blocks of 256 with a 6-bit scale and minimum per sub-block of 32:
   d = d_super * scale, m = -dmin_super * min, both exact in float32.
-Q6_K's scales cover 16 k each, which no block of 32 holds exactly: it is not decoded here
-(quantization/gguf.py requantizes such tensors to 8-bit blocks and says so), nor are the
-2- and 3-bit K-quants and the i-quants.
+Q6_K's scales cover 16 k each, which no block of 32 holds exactly: it is not decoded here,
+nor are the 2- and 3-bit K-quants and the i-quants; the loader requantizes such matrices
+to 8-bit blocks (quantize_8bit_blocks) and says so.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 QK = 32
 QK_K = 256
@@ -114,3 +115,25 @@ def dequantize_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray
     rows, k = q.shape
     v = q.reshape(rows, k // QK, QK).astype(np.float32) * d[..., None] + m[..., None]
     return v.reshape(rows, k)
+
+
+def quantize_8bit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit per block of 32 k (Q8_0's rounding) in the same form, for matrices
+    whose own type has none (Q6_K, float): q + 127 in 0..254, d = max|w| / 127, m = -127 d.
+    K is padded to whole blocks."""
+    w = weight.detach().float()
+    n, k = w.shape
+    nblk = -(-k // QK)
+    wp = torch.nn.functional.pad(w, (0, nblk * QK - k)).view(n, nblk, QK)
+    d = wp.abs().amax(dim=2) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(wp / safe[..., None]).clamp(-127, 127) + 127
+    return q.view(n, -1)[:, :k].to(torch.uint8).contiguous(), d, -127 * d
+
+
+def blocks_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """dequantize_blocks for torch tensors: d * q + m per block of 32, float32 [rows, k]."""
+    rows, k = q.shape
+    nblk = d.shape[1]
+    qb = torch.nn.functional.pad(q.float(), (0, nblk * QK - k)).view(rows, nblk, QK)
+    return (qb * d[..., None] + m[..., None]).view(rows, -1)[:, :k]

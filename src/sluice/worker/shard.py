@@ -4,6 +4,7 @@ builds one (rank 0), and so does every other tensor-parallel rank's process
 (distributed/tp_rank.py): this module is what both import, so neither imports the other."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.distributed.parallel import SINGLE, TPShard
 from sluice.distributed.tensor_parallel import share_weights
+from sluice.models.linear import weights_unallocated
 from sluice.models.loader import dummy_weights, iter_weights, load_hf_config, resolve_model
 from sluice.models.registry import build_model
 from sluice.worker.model_runner import ModelRunner
@@ -48,7 +50,11 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     backend = select_backend(mc, config.cache, size, log=rank == 0)
     src = resolve_model(mc.model)
     hf_config = load_hf_config(src)
-    with torch.device(backend.device):
+    # quantization='gguf' on a GGUF: the linear layers' and the embedding's weights come as
+    # the file's blocks, so they are never allocated in the model dtype (a Q4_K_M file
+    # loads in about its own size, not its bf16 size).
+    unallocated = mc.quantization == "gguf" and src.is_gguf and mc.load_format == "auto"
+    with torch.device(backend.device), weights_unallocated() if unallocated else contextlib.nullcontext():
         model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
     arch = model.arch
     backend.check_model(arch)
