@@ -85,12 +85,13 @@ def main() -> None:
                     help="compared with float32 (+kv8: the int8 KV cache)")
     ap.add_argument("--cpu-isa", default="auto", help="kernel build for the variants (float32 runs torch's ops)")
     args = ap.parse_args()
-    variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+    # bfloat16 rows say quantization=None: the automatic choice would quantize a GGUF.
+    variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16", quantization=None),
                 "int8": dict(dtype="bfloat16", quantization="int8"),
                 "w8a8": dict(dtype="bfloat16", quantization="w8a8"),
                 "w4a8": dict(dtype="bfloat16", quantization="w4a8"),
                 "gguf": dict(dtype="bfloat16", quantization="gguf"),
-                "bf16+kv8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
+                "bf16+kv8": dict(dtype="bfloat16", quantization=None, kv_cache_dtype="int8"),
                 "w8a8+kv8": dict(dtype="bfloat16", quantization="w8a8", kv_cache_dtype="int8"),
                 "w4a8+kv8": dict(dtype="bfloat16", quantization="w4a8", kv_cache_dtype="int8")}
     variants = {k: v for k, v in variants.items() if k == "float32" or k in args.variants.split(",")}
