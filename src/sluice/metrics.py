@@ -105,6 +105,7 @@ class Metrics:
         self.weight_bytes = Gauge("sluice_weight_bytes", "Bytes of the weights in memory (packed and quantized "
                                   "forms included, each once; the KV cache apart)", labels, registry=r)
         self._weights_seen: tuple = ()
+        self._weight_bytes_seen = None
         self.set_weights("0", 0, False)
         self._spec_seen: dict = {}
         self._grammar_seen = (0, 0.0, 0.0, 0, 0.0)
@@ -170,7 +171,9 @@ class Metrics:
         if sched.spec is not None:
             self._observe_spec(sched.spec.stats)
         self.set_weights(engine.weight_version, engine.num_weight_updates, engine.asleep)
-        self.weight_bytes.labels(m).set(engine.weight_bytes)
+        if engine.weight_bytes != self._weight_bytes_seen:  # set at load, changed by nothing since
+            self.weight_bytes.labels(m).set(engine.weight_bytes)
+            self._weight_bytes_seen = engine.weight_bytes
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
 

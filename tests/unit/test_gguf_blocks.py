@@ -9,7 +9,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from sluice.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks, dequantize_blocks, quantize_8bit_blocks
+from sluice.quantization.gguf_blocks import BLOCK_TYPES, blocks_values, decode_blocks, quantize_8bit_blocks
 
 # Byte offsets of each type's float16 scale fields within a block.
 F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
@@ -40,7 +40,7 @@ def test_blocks_hold_ggml_values_exactly(name):
     ref = dequantize(raw.reshape(quant_shape_to_byte_shape((rows, k), qtype)), qtype).reshape(rows, k)
     q, d, m = decode_blocks(raw, name, (rows, k))
     assert q.dtype == np.uint8 and q.max() <= 254 and d.shape == m.shape == (rows, k // 32)
-    assert np.array_equal(dequantize_blocks(q, d, m), ref.astype(np.float32))
+    assert torch.equal(blocks_values(*map(torch.from_numpy, (q, d, m))), torch.from_numpy(ref.astype(np.float32)))
 
 
 def test_types_without_an_exact_block_form_are_not_decoded():
@@ -77,7 +77,7 @@ def test_loader_hands_over_the_files_blocks():
             continue
         assert tensor.device.type == "meta" and tensor.shape == plain.shape, name  # Q4_1 and Q8_0: kept
         kinds.add(name.split(".")[-2])
-        assert np.array_equal(dequantize_blocks(*(b.numpy() for b in blocks)), plain.numpy()), name
+        assert torch.equal(blocks_values(*blocks), plain), name
     assert {"q_proj", "k_proj", "down_proj", "embed_tokens"} <= kinds
 
 
@@ -96,7 +96,8 @@ def test_gemma_q4_k_m_blocks_hold_the_files_values():
             assert blocks is None
             continue
         seen.add(qtype.name)
-        assert np.array_equal(dequantize_blocks(*blocks), dequantize(raw, qtype).reshape(t.shape)), t.name
+        want = torch.from_numpy(dequantize(raw, qtype).reshape(t.shape).astype(np.float32))
+        assert torch.equal(blocks_values(*map(torch.from_numpy, blocks)), want), t.name
     assert seen == {"Q5_0", "Q8_0", "Q4_K"}
 
 

@@ -129,8 +129,8 @@ def gguf_linear_types(src: ModelSource) -> set[str]:
     if not src.is_gguf:
         return set()
     from gguf.constants import GGMLQuantizationType
-    check_gguf(src.path)  # a broken file: its one ValueError
-    return {GGMLQuantizationType(t.ggml_type).name for t in read_gguf(src.path)[1]
+    tensors = check_gguf(src.path)[1]  # a broken file: its one ValueError
+    return {GGMLQuantizationType(t.ggml_type).name for t in tensors
             if t.name.startswith("blk.") and t.name.split(".")[-2] in GGUF_LINEAR_KINDS}
 
 
@@ -150,10 +150,11 @@ def load_hf_config(src: ModelSource):
     return AutoConfig.from_pretrained(str(src.path))
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path) -> tuple[dict, list[GGUFTensor], np.memmap]:
     """One ValueError naming what is wrong with a GGUF file whose header does not parse, whose
     tensors run past its end (a truncated download) or are of a type the gguf package
-    cannot read; before anything reads it further (transformers' reader fails deep inside)."""
+    cannot read; before anything reads it further (transformers' reader fails deep inside).
+    Returns what read_gguf read."""
     import struct
 
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -174,6 +175,7 @@ def check_gguf(path: Path) -> None:
         if end > len(data):
             raise ValueError(f"{path}: tensor {t.name} ends at byte {end:,} but the file has {len(data):,}: "
                              "the file is truncated")
+    return meta, tensors, data
 
 
 def gguf_tensor_bytes(path: Path) -> int:

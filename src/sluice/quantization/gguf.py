@@ -11,10 +11,12 @@ matrices; the 2- and 3-bit K-quants) are requantized to 8-bit blocks of 32 (near
 error at most max|w| / 254 per block) by the loader, whose log line names them.
 
 The embedding table is read from the same packed blocks as the tied LM head (no second
-copy), 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte layout,
-faster from 8 rows there, would double their bytes), and the dequantized bf16 weights the
-model loaded are released after packing: so
-this scheme cannot take weight updates (LLMEngine.update_weights refuses them).
+copy), and 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte
+layout, faster from 8 rows there, would double their bytes). From a GGUF the linear and
+embedding weights are never allocated in the model dtype (models/linear.py,
+weights_unallocated; worker/shard.py); a model of another source is loaded in bf16 and its
+weights released after packing. Either way no dequantized weights remain, so this scheme
+cannot take weight updates (LLMEngine.update_weights refuses them).
 """
 from __future__ import annotations
 
@@ -23,9 +25,7 @@ from torch import nn
 
 from sluice.models.linear import Linear
 from sluice.quantization.base import QuantizationScheme
-from sluice.quantization.gguf_blocks import quantize_8bit_blocks
-
-BLOCK = 32
+from sluice.quantization.gguf_blocks import QK, quantize_8bit_blocks
 
 
 def _symmetric_offset(d: torch.Tensor, m: torch.Tensor) -> float | None:
@@ -45,7 +45,7 @@ def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     each block's as d times it: a quarter of the bytes of the 8-bit form not stored)."""
     weight = module.weight
     n, k = weight.shape
-    nblk = -(-k // BLOCK)
+    nblk = -(-k // QK)
     q = torch.empty(n, k, dtype=torch.uint8)
     d, m = torch.empty(n, nblk), torch.empty(n, nblk)
     offsets = torch.full((n,), 127.0)  # the 8-bit blocks' (quantize_8bit_blocks)

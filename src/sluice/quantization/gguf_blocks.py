@@ -2,9 +2,9 @@
 32 k of each row, w = d * q + m with q an unsigned byte (0..254), d and m float32.
 
 Each type's values come out exactly as ggml (and the gguf package) dequantizes them:
-- Q4_0, Q5_0, Q8_0: w = d * (q - offset), so q + offset... stored as q' in 0..15 / 0..31 /
-  0..254 with m = -offset * d (offset 8, 16 and 127: Q8_0's q is -127..127 as llama.cpp
-  quantizes; a block holding -128 cannot be kept);
+- Q4_0, Q5_0, Q8_0: w = d * (s - offset) for stored s in 0..15 / 0..31, and Q8_0's signed
+  s + 127 in 0..254, with m = -offset * d (offsets 8, 16 and 127: Q8_0's s is -127..127
+  as llama.cpp quantizes; a block holding -128 cannot be kept);
 - Q4_1, Q5_1: w = d * q + m as stored;
 - Q4_K, Q5_K: super-blocks of 256 with a 6-bit scale and minimum per sub-block of 32:
   d = d_super * scale, m = -dmin_super * min, both exact in float32.
@@ -110,13 +110,6 @@ def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]
     return None
 
 
-def dequantize_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """d * q + m per block of 32, float32 [rows, k]."""
-    rows, k = q.shape
-    v = q.reshape(rows, k // QK, QK).astype(np.float32) * d[..., None] + m[..., None]
-    return v.reshape(rows, k)
-
-
 def quantize_8bit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric 8-bit per block of 32 k (Q8_0's rounding) in the same form, for matrices
     whose own type has none (Q6_K, float): q + 127 in 0..254, d = max|w| / 127, m = -127 d.
@@ -132,7 +125,7 @@ def quantize_8bit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def blocks_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """dequantize_blocks for torch tensors: d * q + m per block of 32, float32 [rows, k]."""
+    """d * q + m per block of 32, float32 [rows, k]: the values blocks hold."""
     rows, k = q.shape
     nblk = d.shape[1]
     qb = torch.nn.functional.pad(q.float(), (0, nblk * QK - k)).view(rows, nblk, QK)

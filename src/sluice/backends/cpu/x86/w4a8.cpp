@@ -104,30 +104,9 @@ struct Acts {
 
 #if defined(SLUICE_SIGN_TRICK)
 constexpr int kWideOffset = 127;  // wide weights stored as q - 127 (see the top of the file)
-// acc += w . x over 4 k per lane, w signed bytes (|w| <= 127) by llama.cpp's sign trick:
-// vpmaddubsw(|x|, w * sign(x)), whose pairs stay below 2^15.
-inline __m512i dot4_signed(__m512i acc, __m512i w, const int8_t* x4, const int8_t* xabs4) {
-  int32_t x, xa;
-  std::memcpy(&x, x4, sizeof(x));
-  std::memcpy(&xa, xabs4, sizeof(xa));
-  const __m256i xv = _mm256_set1_epi32(x), xav = _mm256_set1_epi32(xa), ones = _mm256_set1_epi16(1);
-  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(xav, _mm256_sign_epi8(w.lo, xv)), ones));
-  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(xav, _mm256_sign_epi8(w.hi, xv)), ones));
-  return acc;
-}
 #else
 constexpr int kWideOffset = 0;
 #endif
-
-// Wide weights' product of 4 k per lane (unsigned q by signed x, in int32).
-inline __m512i dot4_wide(__m512i acc, __m512i w, const int8_t* x4, const int8_t* xabs4) {
-#if defined(SLUICE_SIGN_TRICK)
-  return dot4_signed(acc, w, x4, xabs4);
-#else
-  (void)xabs4;
-  return dot4_unsigned_signed(acc, w, x4);  // vpdpbusd: int32 sums, no saturation
-#endif
-}
 
 #if defined(SLUICE_SIGN_TRICK)
 // The plain AVX2 build's 4-row x 16-column block over the whole of K, as asm with every
@@ -248,7 +227,7 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
           for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((nb0 + c) * KS + step) * kLanes * 4);
           for (int r = 0; r < R; ++r) {
             const int64_t at = (m0 + r) * Kp + step * 4;
-            for (int c = 0; c < C; ++c) isum[r][c] = dot4_wide(isum[r][c], wv[c], x.q + at, x.qabs ? x.qabs + at : nullptr);
+            for (int c = 0; c < C; ++c) dpbusd(isum[r][c], wv[c], x.q + at, x.qabs ? x.qabs + at : nullptr);  // simd.h
           }
         }
       } else if constexpr (Nib) {

@@ -64,41 +64,7 @@ struct Acts {
   int64_t Kp;
 };
 
-#if defined(SLUICE_SIGN_TRICK)
-// AVX2 has no vpdpbusd. Here the weights are packed signed (q, |q| <= 127, not q + 128),
-// and per half llama.cpp's sign trick, vpmaddubsw(|x|, q * sign(x)) (pairs below 2^15),
-// then vpmaddwd by ones: acc += sum(q * x), 4 k per lane. |x| comes from the quantized
-// rows (qabs), made once per row rather than once per row and column group. What the +128
-// offset would have added, 128 * sum(x) over the block, is where each block's sums start
-// (boff), so a block's int32 sum is vpdpbusd's exactly and the bits are the AVX-512
-// build's. Per 32 products: vpsignb, vpmaddubsw, vpmaddwd, vpaddd, two of them on the
-// multiply pipes, as in the ceiling's loop (machine_limits.py).
-inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* xabs4) {
-  int32_t x, xa;
-  std::memcpy(&x, x4, sizeof(x));
-  std::memcpy(&xa, xabs4, sizeof(xa));
-  const __m256i xv = _mm256_set1_epi32(x), xabs = _mm256_set1_epi32(xa), ones = _mm256_set1_epi16(1);
-  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(w.lo, xv)), ones));
-  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(w.hi, xv)), ones));
-}
-#elif defined(SLUICE_AVX_VNNI)
-// acc += w (unsigned bytes) . x (signed bytes), 4 per lane: VEX vpdpbusd on each half.
-inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* /*xabs4: the sign trick's*/) {
-  int32_t x;
-  std::memcpy(&x, x4, sizeof(x));
-  acc = _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
-}
-#else
-// acc += w (unsigned bytes) . x (signed bytes), 4 per lane. Written as asm because GCC
-// copies every accumulator to a fresh register around the intrinsic (two extra moves
-// per multiply-add in the inner loop, measured ~1.5x slower).
-// The four activation bytes are broadcast from memory by the instruction itself.
-inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* /*xabs4: AVX2's*/) {
-  asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
-      : [acc] "+v"(acc)
-      : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x4)));
-}
-#endif
+// dpbusd (simd.h): acc += w . x over 4 k per lane, by the sign trick on plain AVX2.
 
 int64_t padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
