@@ -463,7 +463,12 @@ class LlamaForCausalLM(nn.Module):
                 owner.source_blocks = {**(getattr(owner, "source_blocks", None) or {}), slot.offset: blocks}
             written.setdefault(slot.param, []).append((slot.offset, dst.shape[0]))
             seen.add(name)
-        missing = sorted(set(self.weight_slots()) - seen)
-        if strict and missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+        if strict:
+            self.check_checkpoint_names(seen)
         return written
+
+    def check_checkpoint_names(self, names) -> None:
+        """One ValueError if the checkpoint's tensor names lack any the model takes."""
+        missing = sorted(set(self.weight_slots()) - set(names))
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")

@@ -258,6 +258,26 @@ def iter_weights(src: ModelSource, dtype: torch.dtype, blocks: bool = False) -> 
         yield from _iter_safetensors(src.path, dtype)
 
 
+def gguf_weight_names(src: ModelSource) -> list[str] | None:
+    """The Hugging Face names a GGUF checkpoint's tensors load as (what iter_weights yields,
+    read from the header alone); None for other checkpoints. A model checks them before any
+    tensor is dequantized, so that a file whose metadata names more layers than it holds
+    fails in a second, not after the whole load."""
+    if not src.is_gguf:
+        return None
+    meta, tensors, _ = read_gguf(src.path)
+    arch = meta.get("general.architecture", "llama")
+    names = []
+    for t in tensors:
+        experts = _EXPERTS_RE.match(t.name)
+        if experts:
+            layer, proj = experts.groups()
+            names += [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(t.shape[0])]
+        else:
+            names.append(gguf_to_hf_name(t.name, arch))
+    return names
+
+
 def _iter_safetensors(folder: Path, dtype: torch.dtype):
     from safetensors import safe_open
     index = folder / "model.safetensors.index.json"

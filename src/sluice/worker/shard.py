@@ -14,7 +14,7 @@ from sluice.config import EngineConfig
 from sluice.distributed.parallel import SINGLE, TPShard
 from sluice.distributed.tensor_parallel import share_weights
 from sluice.models.linear import weights_unallocated
-from sluice.models.loader import dummy_weights, iter_weights, load_hf_config, resolve_model
+from sluice.models.loader import dummy_weights, gguf_weight_names, iter_weights, load_hf_config, resolve_model
 from sluice.models.registry import build_model
 from sluice.worker.model_runner import ModelRunner
 
@@ -61,6 +61,9 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     if mc.load_format == "dummy":  # random weights of the model's shape, made on the device
         dummy_weights(model, mc.seed)
     else:
+        names = gguf_weight_names(src) if rank == 0 else None
+        if names is not None:  # a GGUF lacking tensors fails before its load, not after
+            model.check_checkpoint_names(names)
         # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
         weights = iter_weights(src, backend.dtype, blocks=mc.quantization == "gguf") if rank == 0 else None
         model.load_weights(share_weights(group, weights) if group is not None else weights)
