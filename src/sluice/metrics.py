@@ -30,6 +30,10 @@ class Metrics:
         self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Fraction of KV blocks in use", labels, registry=r)
         self.kv_blocks_used = Gauge("sluice_kv_cache_blocks_used", "KV blocks in use", labels, registry=r)
         self.kv_blocks_total = Gauge("sluice_kv_cache_blocks_total", "KV blocks in the pool", labels, registry=r)
+        self.kv_blocks_by_kind = Gauge("sluice_kv_cache_blocks_used_by_layer_kind",
+                                       "KV blocks in use by layer kind (full attention, or sliding<window>: "
+                                       "those give back blocks behind their window)", labels + ["layer_kind"],
+                                       registry=r)
         self.preemptions = Counter("sluice_num_preemptions", "Requests preempted (recomputed later)", labels, registry=r)
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of admitted requests", labels, registry=r)
         self.generation_tokens = Counter("sluice_generation_tokens", "Generated tokens", labels, registry=r)
@@ -137,6 +141,9 @@ class Metrics:
         self.kv_usage.labels(m).set(kv.usage())
         self.kv_blocks_used.labels(m).set(kv.num_blocks - kv.num_free_blocks)
         self.kv_blocks_total.labels(m).set(kv.num_blocks)
+        used = kv.blocks_by_group()
+        for kind, groups in engine.runner.layout.kinds().items():
+            self.kv_blocks_by_kind.labels(m, kind).set(sum(used[g] for g in groups))
         # The engine's own counts restart from 0 if it is reset after a failure.
         self.preemptions.labels(m).inc(_delta(sched.num_preemptions, self._preemptions_seen))
         self.prefix_queries.labels(m).inc(_delta(kv.query_tokens, self._queries_seen))

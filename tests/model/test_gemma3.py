@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.metrics import Metrics
 from tests.conftest import assert_all_blocks_free
 from tests.model.test_vs_transformers import PROMPTS, hf_greedy
 
@@ -15,16 +16,42 @@ LONG = " ".join(f"Item {i} is a {('red', 'green', 'blue')[i % 3]} ball." for i i
 
 def test_tiny_gemma3_chunked_prompts_match_transformers(tiny_checkpoint):
     """Prompts far past the window (8) in chunks of 16 tokens beside each other's decodes:
-    the masked prompt chunks and the windowed decode rows give transformers' greedy tokens."""
+    the masked prompt chunks and the windowed decode rows give transformers' greedy tokens,
+    while the sliding layers' groups give back their blocks behind the window (blocks of 4
+    tokens: a sliding group holds at most cdiv(7 + 16, 4) + 1 = 7 per request) and the
+    global layer's group keeps every block."""
     from transformers import AutoModelForCausalLM
     path = tiny_checkpoint("gemma3")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=str(path), dtype="float32", num_blocks=64, max_num_batched_tokens=16)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=96, block_size=4, max_num_batched_tokens=16)
+    runner, kv = llm.engine.runner, llm.engine.kv
+    assert runner.layout.windows == (0, 8, 8) and runner.layout.group_size == 1
+    seen = []
+    launch = runner.launch
+    metrics = Metrics("tiny")
+
+    def observing(plan, *args, **kw):
+        seen.append((kv.blocks_by_group(), llm.engine.scheduler.num_running))
+        metrics.observe_step(llm.engine, [], 0.0)
+        # /metrics says what each layer kind holds.
+        by_kind = {kind: metrics.registry.get_sample_value("sluice_kv_cache_blocks_used_by_layer_kind",
+                                                           {"model_name": "tiny", "layer_kind": kind})
+                   for kind in ("full", "sliding8")}
+        assert by_kind == {"full": seen[-1][0][0], "sliding8": seen[-1][0][1] + seen[-1][0][2]}
+        return launch(plan, *args, **kw)
+    runner.launch = observing
     n = 20
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs):
+    prompts = PROMPTS + [LONG[:240]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(ref, out.prompt_token_ids, n)[0], prompt
     assert_all_blocks_free(llm)
+    longest = max(len(out.prompt_token_ids) for out in outs) + n
+    full_peak = max(used[0] for used, _ in seen)
+    assert full_peak >= -(-longest // 4)
+    for used, requests in seen:
+        assert used[1] <= 7 * requests and used[2] <= 7 * requests
+    assert max(used[1] for used, _ in seen) < full_peak / 2
 
 
 def test_tiny_gemma3_deterministic_bits_alone_and_batched(tiny_checkpoint):
@@ -82,3 +109,45 @@ def test_gemma3_270m_chat(gemma3_llm):
                           SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.prompt_token_ids[:3] == [2, 105, 2364]  # <bos><start_of_turn>user: one BOS
     assert out.outputs[0].token_ids and out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_tiny_gemma3_sliding_groups_under_prefix_cache_sessions_speculation_and_preemption(tiny_checkpoint):
+    """The mixed layers under every feature that reads or keeps blocks, each against the
+    plain greedy tokens: a prefix found again (its sliding groups take only the window's
+    blocks), a session's pinned history across calls, drafts verified (speculative
+    lookahead slots in every group), and preemption in a pool too small for the batch."""
+    path = str(tiny_checkpoint("gemma3"))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [LONG[:200], LONG[40:260], "The history of the Roman Empire begins with"]
+    plain = LLM(model=path, dtype="float32", num_blocks=96, block_size=4, speculative_method=None)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+
+    cached = LLM(model=path, dtype="float32", num_blocks=96, block_size=4, enable_prefix_caching=True,
+                 speculative_method=None)
+    cached.generate(prompts[:1], greedy)
+    again = cached.generate(prompts, greedy)
+    assert again[0].num_cached_tokens >= 40 and [o.outputs[0].token_ids for o in again] == want
+    assert_all_blocks_free(cached)
+
+    # A session: call 2 re-sends call 1 and its reply, and finds them pinned.
+    sess = LLM(model=path, dtype="float32", num_blocks=96, block_size=4, session_ttl_s=3600,
+               session_ttl_max_s=3600, speculative_method=None)
+    first = sess.generate([prompts[0]], greedy, session_id="agent")[0]
+    assert sess.engine.scheduler.sessions.num_pinned > 0
+    history = first.prompt_token_ids + first.outputs[0].token_ids + [5, 6, 7]
+    second = sess.generate([history], greedy, session_id="agent")[0]
+    assert second.num_cached_tokens >= len(first.prompt_token_ids) - 4
+    assert second.outputs[0].token_ids == plain.generate([history], greedy)[0].outputs[0].token_ids
+
+    spec = LLM(model=path, dtype="float32", num_blocks=96, block_size=4, speculative_method="ngram",
+               speculative_gate="always")
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == want
+    assert_all_blocks_free(spec)
+
+    # 40 blocks of 4 tokens: one request fits (at most 22 global-layer blocks and 7 per
+    # sliding group), the three together outgrow it.
+    small = LLM(model=path, dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16,
+                speculative_method=None)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy)] == want
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(small)

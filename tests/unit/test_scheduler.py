@@ -59,7 +59,7 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         seen_blocks |= set(e.block_ids)
     for rid in plan.preempted:
         assert kv.block_ids(rid) == []
-    held = sum(len(blocks) for blocks in kv.req_blocks.values())
+    held = sum(len(table) for tables in kv.req_blocks.values() for table in tables)
     assert held + kv.num_free_blocks == kv.num_blocks
 
 
@@ -445,7 +445,11 @@ def test_victim_already_planned_this_step_is_taken_back():
     p = make_request("p", prompt_len=14, max_tokens=1)
     sched.add_request(d)
     sched.add_request(p)
+    # p's whole prompt (4 blocks) does not fit beside d: admission would leave it waiting.
+    # Lift that reserve for one step, to reach the state where p's later chunk is short.
+    kv.peak_blocks = lambda num_tokens, chunk: 0
     plan, _ = step(sched)
+    del kv.peak_blocks
     assert summary(plan) == [("d", 0, 2, [0], True), ("p", 0, 6, [1, 2], False)]
     # Make d the most recent running request (unreachable through admission alone, where a
     # partial prefill is always last): d's decode is planned first, then p's chunk finds one
@@ -459,6 +463,22 @@ def test_victim_already_planned_this_step_is_taken_back():
     assert d.output_token_ids == [TOK]
     run_to_completion(sched)
     assert d.num_output_tokens == 3 and p.num_output_tokens == 1
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_long_prompt_waits_until_its_whole_prompt_fits():
+    """Admission leaves room for the prompts it admits to finish: p (14 tokens, 4 blocks,
+    in chunks of 6) is not admitted beside d, whose block would leave p one short, and
+    waits for d to finish instead of being preempted and recomputed halfway."""
+    sched, kv = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8)
+    d = make_request("d", prompt_len=2, max_tokens=3)
+    p = make_request("p", prompt_len=14, max_tokens=1)
+    sched.add_request(d)
+    sched.add_request(p)
+    plan, _ = step(sched)
+    assert summary(plan) == [("d", 0, 2, [0], True)]
+    run_to_completion(sched)
+    assert sched.num_preemptions == 0 and p.num_output_tokens == 1
     assert kv.num_free_blocks == kv.num_blocks
 
 

@@ -183,7 +183,7 @@ def test_no_block_is_named_by_a_draft():
     # Only blocks wholly made of the request's real tokens carry a hash.
     assert named == req.num_computed_tokens // 4 or named * 4 <= req.num_tokens
     hashes = kv._hashes(req, named)
-    assert all(kv.req_blocks["a"][i].block_hash == hashes[i] for i in range(named))
+    assert all(kv.req_blocks["a"][0][i].block_hash == hashes[i] for i in range(named))
 
 
 def test_max_tokens_caps_the_drafts():

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice.core.kv_layout import KVLayout
+
 
 @dataclass
 class PrefillChunk:
@@ -59,6 +61,13 @@ class AttentionMetadata:
     decode_kernel: object | None = None
     # A backend's own per-step record (the CUDA backend's tiles and split plan).
     extra: object | None = None
+    # Where the KV layout has several groups (core/kv_layout.py), each layer's record: its
+    # group's block tables and slots (the rest is the step's); None: this record serves all.
+    layer_meta: list | None = None
+
+    def for_layer(self, i: int) -> "AttentionMetadata":
+        """The record layer i attends with."""
+        return self if self.layer_meta is None else self.layer_meta[i]
 
 
 @dataclass
@@ -93,6 +102,9 @@ class Backend:
     # scheduling): where the device computes while the host plans, yes; where the host is
     # the device (a CPU), a step has finished when launch returns and nothing overlaps.
     overlap_pays = False
+    # Whether sliding-window layers get block tables of their own, giving blocks behind the
+    # window back to the pool (core/kv_layout.py); else every layer shares one table.
+    hybrid_kv = True
 
     @classmethod
     def auto_quantization(cls, model_config, tensor_parallel_size: int) -> str | None:
@@ -131,10 +143,18 @@ class Backend:
         raise NotImplementedError
 
     # -- the KV cache -------------------------------------------------------------
+    def kv_layout(self, arch) -> KVLayout:
+        """How the model's layers share the KV pool: groups by sliding window where this
+        backend gives them tables of their own, else one group of all layers."""
+        if self.hybrid_kv:
+            return KVLayout.for_windows(arch.num_layers, getattr(arch, "layer_windows", ()))
+        return KVLayout.plain(arch.num_layers)
+
     def kv_bytes_per_block(self, arch, block_size: int, num_kv_heads: int | None = None) -> int:
-        """Bytes of one KV block over all layers for `num_kv_heads` (default the model's)."""
+        """Bytes of one KV block (the K/V of one layout group's layers; all layers where
+        the layout has one group) for `num_kv_heads` (default the model's)."""
         row = arch.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        return 2 * arch.num_layers * block_size * (num_kv_heads or arch.num_kv_heads) * row
+        return 2 * self.kv_layout(arch).group_size * block_size * (num_kv_heads or arch.num_kv_heads) * row
 
     def num_kv_blocks(self, cache, arch, num_kv_heads: int | None = None) -> int:
         """The cache's block count: as the settings give it, else as many as
@@ -144,8 +164,9 @@ class Backend:
 
     def allocate_kv_cache(self, num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
                           head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V per layer, [kv_heads, num_blocks + 1, block_size, head_dim] zeros: one
-        block past the pool, where padding rows of a bucketed batch write their K/V."""
+        """K and V per tensor slot (a layer, or one layer of each layout group), [kv_heads,
+        num_blocks + 1, block_size, head_dim] zeros: one block past the pool, where padding
+        rows of a bucketed batch write their K/V."""
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(num_layers)]
@@ -157,6 +178,11 @@ class Backend:
 
     def attention_metadata(self, batch: FlatBatch) -> AttentionMetadata:
         raise NotImplementedError
+
+    def group_metadata(self, base: AttentionMetadata, batch: FlatBatch) -> AttentionMetadata:
+        """The record of another layout group's layers for the step `base` was made for:
+        the same rows and lengths, `batch`'s block tables and slots."""
+        return self.attention_metadata(batch)
 
     def greedy_tokens(self, model, hidden: torch.Tensor, grammar=None) -> torch.Tensor | None:
         """The argmax of the LM head per row where this backend has a faster way to it than

@@ -1,6 +1,10 @@
 """BlockPool: fixed-size KV blocks with reference counts, content hashes and an O(1)
 LRU free list.
 
+Under a KVLayout with several groups (kv_layout.py) every group draws from this one pool;
+a block remembers the group it was last given to, and the pool counts the blocks in use
+per group (the plan line's and /metrics' blocks per layer kind).
+
 Blocks are identified by integer ids into the runner's preallocated K/V tensors. A full
 block can carry the hash of its content (see kv_cache_manager.block_hash); the pool maps
 hash -> block so a later request with the same prefix can take it. A freed block keeps
@@ -12,11 +16,12 @@ from __future__ import annotations
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next", "group")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.group = 0
         self.block_hash: bytes | None = None
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
@@ -63,13 +68,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, num_groups: int = 1):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.used_by_group = [0] * num_groups   # blocks with a reference, per layout group
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,9 +88,9 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the LRU end, evicting their cached content; the caller
-        checks num_free_blocks first."""
+    def allocate(self, n: int, group: int = 0) -> list[KVBlock]:
+        """Take n blocks for a layout group from the LRU end, evicting their cached
+        content; the caller checks num_free_blocks first."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         out = []
@@ -92,7 +98,9 @@ class BlockPool:
             block = self.free_queue.popleft()
             self._drop_hash(block)
             block.ref_cnt = 1
+            block.group = group
             out.append(block)
+        self.used_by_group[group] += n
         return out
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
@@ -103,6 +111,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.used_by_group[block.group] += 1
             block.ref_cnt += 1
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
@@ -130,6 +139,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.used_by_group[block.group] -= 1
 
     def reset_cache(self) -> int:
         """Forget every cached hash (e.g. after a weight update); returns how many."""

@@ -7,6 +7,14 @@ enough that a collision cannot silently corrupt output; a new request takes the 
 run of cached blocks matching its tokens and computes only the rest. Samples of one
 request (n > 1) share their prompt blocks this way even with caching off, through a salt
 private to the request.
+
+Under a KVLayout with several groups (kv_layout.py: sliding-window layers beside full
+ones), a request holds one block table per group. A sliding-window group's table gives
+its blocks behind the window back to the pool as the sequence grows (they keep their
+hash: a later request with the same tokens may still take them), so the request holds
+its window's blocks there and only its full-attention groups grow with it. A cached
+prefix must then be whole in the full groups and cover the window before its end in the
+sliding ones; a block is named by its chain hash and its group.
 """
 from __future__ import annotations
 
@@ -41,21 +49,50 @@ class KVAllocation:
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """The longest run of cached blocks matching a request's tokens."""
+    """The longest run of cached blocks matching a request's tokens: per group its table
+    (None where a sliding-window group needs no block), and all of them in one tuple."""
     blocks: tuple[KVBlock, ...]
     num_tokens: int
     queried_tokens: int = 0    # the request's tokens looked up (counted once it is admitted)
+    tables: tuple[tuple[KVBlock | None, ...], ...] = ()
 
 
 _NO_PREFIX = CachedPrefix((), 0)
 
 
+@dataclass(frozen=True)
+class History:
+    """What a finished call leaves for its session's next call to find: every group's
+    computed, named blocks that a continuation reads (a sliding group's: its window's),
+    and the run of token blocks they stand for (its length and last chain hash)."""
+    blocks: tuple[KVBlock, ...]
+    num_full_blocks: int
+    last_hash: bytes | None
+
+
+_NO_HISTORY = History((), 0, None)
+
+
+def group_key(chain_hash: bytes, group: int) -> bytes:
+    """The pool's name for group `group`'s block of the tokens chain_hash names (group 0's
+    is the chain hash itself)."""
+    return chain_hash if group == 0 else chain_hash + group.to_bytes(2, "little")
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 windows: tuple[int, ...] = (0,)):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Per layout group: the keys its layers see (0: all of them).
+        self.windows = tuple(windows) or (0,)
+        self.num_groups = len(self.windows)
+        self.pool = BlockPool(num_blocks, self.num_groups)
+        # What a table holds where a sliding group holds no block: the runner's scratch
+        # block past the pool (finite values, only ever read under a window's mask).
+        self.null_block_id = num_blocks
+        self.req_blocks: dict[str, list[list[KVBlock | None]]] = {}   # request -> a table per group
+        self.req_lo: dict[str, list[int]] = {}     # per group, the first entry it may still hold
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_named: dict[str, int] = {}   # leading blocks already given a hash
         # Prefix-cache statistics, in tokens.
@@ -74,7 +111,50 @@ class KVCacheManager:
         return self.pool.usage()
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Entries of one block table covering num_tokens tokens."""
         return cdiv(num_tokens, self.block_size)
+
+    def _first_needed(self, group: int, pos: int) -> int:
+        """The first block group `group` reads for queries at positions pos onward."""
+        w = self.windows[group]
+        return max(0, pos - w + 1) // self.block_size if w else 0
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Pool blocks, all groups together, that a sequence of num_tokens computed tokens
+        holds on its way on (its sliding groups: their window's)."""
+        n = self.blocks_needed(num_tokens)
+        return sum(max(n - self._first_needed(g, num_tokens), 1 if num_tokens else 0)
+                   for g in range(self.num_groups))
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most pool blocks one sequence growing to num_tokens tokens, computed in
+        steps of at most `chunk` tokens, holds at once."""
+        n = self.blocks_needed(num_tokens)
+        return sum(n if not w else min(n, cdiv(w - 1 + chunk, self.block_size) + 1) for w in self.windows)
+
+    def prompt_growth(self, request: Request, chunk: int) -> int:
+        """Blocks a request still computing its prompt (in chunks of at most `chunk`
+        tokens) will take beyond those it holds: its prompt's peak_blocks less them."""
+        tables = self.req_blocks.get(request.request_id)
+        held = sum(1 for t in tables for b in t if b is not None) if tables else 0
+        return max(0, self.peak_blocks(request.num_prompt_tokens, chunk) - held)
+
+    def capacity_tokens(self, chunk: int, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) whose peak_blocks fit the pool."""
+        if self.peak_blocks(limit, chunk) <= self.num_blocks:
+            return limit
+        lo, hi = 0, limit  # peak_blocks grows with the length: the last length that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.peak_blocks(mid, chunk) <= self.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def blocks_by_group(self) -> list[int]:
+        """Blocks in use (referenced by requests or pins), per layout group."""
+        return list(self.pool.used_by_group)
 
     # -- hashing --------------------------------------------------------------
     def _hashing(self, request: Request) -> bool:
@@ -110,36 +190,65 @@ class KVCacheManager:
         if (not self._hashing(request) or self.req_blocks.get(request.request_id)
                 or request.needs_prompt_logprobs):
             return _NO_PREFIX
-        usable = (request.num_tokens - 1) // self.block_size
-        found: list[KVBlock] = []
-        for h in self._hashes(request, usable):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            found.append(block)
-        return CachedPrefix(tuple(found), len(found) * self.block_size, request.num_tokens)
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        lookup = self.pool.lookup
+        k = len(hashes)
+        for g, w in enumerate(self.windows):  # full groups: every block from the first
+            if not w:
+                k = next((i for i in range(k) if lookup(group_key(hashes[i], g)) is None), k)
+        # Sliding groups: the blocks the window before token k * block_size covers. A miss
+        # at block m rules out every longer prefix (each needs m too): go on below it.
+        settled = False
+        while not settled and k > 0:
+            settled = True
+            for g, w in enumerate(self.windows):
+                if not w:
+                    continue
+                while k > 0:
+                    first = self._first_needed(g, k * self.block_size)
+                    miss = next((i for i in range(k - 1, first - 1, -1)
+                                 if lookup(group_key(hashes[i], g)) is None), None)
+                    if miss is None:
+                        break
+                    k, settled = miss, False
+        if k == 0:
+            return CachedPrefix((), 0, request.num_tokens)
+        tables = []
+        for g in range(self.num_groups):
+            first = self._first_needed(g, k * self.block_size)
+            tables.append((None,) * first + tuple(lookup(group_key(hashes[i], g)) for i in range(first, k)))
+        blocks = tuple(b for t in tables for b in t if b is not None)
+        return CachedPrefix(blocks, k * self.block_size, request.num_tokens, tuple(tables))
 
-    def resends(self, request: Request, blocks: list[KVBlock]) -> bool:
-        """Whether the request begins with the content of `blocks` (a session's pinned
-        history): the hash of its len(blocks)-th full block is the last one's. The hashes
-        are the ones find_cached_prefix computes for it anyway (kept per request)."""
-        n = len(blocks)
+    def resends(self, request: Request, num_full_blocks: int, last_hash: bytes | None) -> bool:
+        """Whether the request begins with a session's pinned history of num_full_blocks
+        token blocks, the last named last_hash. The hashes are the ones find_cached_prefix
+        computes for it anyway (kept per request)."""
+        n = num_full_blocks
         if not n or not self._hashing(request) or (request.num_tokens - 1) // self.block_size < n:
             return False
-        return self._hashes(request, n)[n - 1] == blocks[-1].block_hash
-
-    def _new_blocks(self, request: Request, num_new_tokens: int, prefix: CachedPrefix, num_lookahead: int = 0) -> int:
-        """Blocks allocate() adds to those the request holds and the prefix it takes."""
-        held = len(self.req_blocks.get(request.request_id, ()))
-        total = request.num_computed_tokens + prefix.num_tokens + num_new_tokens + num_lookahead
-        return max(self.blocks_needed(total) - held - len(prefix.blocks), 0)
+        return self._hashes(request, n)[n - 1] == last_hash
 
     def free_blocks_taken(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = _NO_PREFIX,
                           num_lookahead: int = 0) -> int:
         """How many free blocks allocate(request, num_new_tokens, prefix) would take: new
-        ones, and cached ones it revives from the free list (a free block each too)."""
-        return (self._new_blocks(request, num_new_tokens, prefix, num_lookahead)
-                + sum(1 for b in prefix.blocks if b.ref_cnt == 0))
+        ones, and cached ones it revives from the free list (a free block each too), less
+        the blocks its sliding groups give back (those behind the window)."""
+        rid = request.request_id
+        start = request.num_computed_tokens + prefix.num_tokens
+        need = self.blocks_needed(start + num_new_tokens + num_lookahead)
+        tables = self.req_blocks.get(rid)
+        taken = sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+        for g in range(self.num_groups):
+            lo = self._first_needed(g, start)
+            if tables is not None:
+                table = tables[g]
+                taken -= sum(1 for b in table[self.req_lo[rid][g]:lo] if b is not None and b.ref_cnt == 1)
+                held = len(table)
+            else:
+                held = len(prefix.tables[g]) if prefix.tables else 0
+            taken += max(0, need - max(held, lo))
+        return taken
 
     def allocate(self, request: Request, num_new_tokens: int,
                  prefix: CachedPrefix = _NO_PREFIX, num_lookahead: int = 0) -> KVAllocation | None:
@@ -147,25 +256,58 @@ class KVCacheManager:
         any cached prefix it takes now), or None if the pool cannot supply it now (nothing
         is taken in that case). num_lookahead more slots hold drafted tokens being verified:
         they are not the request's tokens, so no block is named by them; a rejected draft's
-        slot is simply not counted as computed, and the next token overwrites it."""
+        slot is simply not counted as computed, and the next token overwrites it. Blocks
+        behind a sliding group's window go back to the pool first."""
         if self.free_blocks_taken(request, num_new_tokens, prefix, num_lookahead) > self.pool.num_free_blocks:
             return None
-        need = self._new_blocks(request, num_new_tokens, prefix, num_lookahead)
+        rid = request.request_id
+        start = request.num_computed_tokens + prefix.num_tokens
+        need = self.blocks_needed(start + num_new_tokens + num_lookahead)
         self.pool.take(list(prefix.blocks))
         # Prefix statistics per admission (a lookup for a request that then waits, and is
         # looked up again next step, is not a second query).
         self.query_tokens += prefix.queried_tokens
         self.hit_tokens += prefix.num_tokens
-        new = self.pool.allocate(need) if need > 0 else []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(prefix.blocks)
-        blocks.extend(new)
+        tables = self.req_blocks.get(rid)
+        if tables is None:
+            tables = self.req_blocks[rid] = ([list(t) for t in prefix.tables] if prefix.tables
+                                             else [[] for _ in self.windows])
+            self.req_lo[rid] = [self._first_needed(g, start) for g in range(self.num_groups)]
+        self._slide(rid, start)
+        new: list[KVBlock] = []
+        for g, table in enumerate(tables):
+            if len(table) < self.req_lo[rid][g]:
+                table.extend([None] * (self.req_lo[rid][g] - len(table)))
+            if need > len(table):
+                got = self.pool.allocate(need - len(table), g)
+                table.extend(got)
+                new.extend(got)
         if self._hashing(request):
             # Name the blocks this step fills. Their K/V is written in this step's forward
             # pass before any layer reads it, so a request admitted later in the same step
             # may already share them.
-            self._name(request, request.num_computed_tokens + prefix.num_tokens + num_new_tokens)
+            self._name(request, start + num_new_tokens)
         return KVAllocation(tuple(b.block_id for b in prefix.blocks), tuple(b.block_id for b in new))
+
+    def _slide(self, rid: str, start: int) -> None:
+        """Give back each sliding group's blocks that no query at start or later reads."""
+        tables, los = self.req_blocks[rid], self.req_lo[rid]
+        gone: list[KVBlock] = []
+        for g, w in enumerate(self.windows):
+            lo = self._first_needed(g, start)
+            if not w or lo <= los[g]:
+                continue
+            table = tables[g]
+            for i in range(los[g], min(lo, len(table))):
+                b = table[i]
+                if b is not None:
+                    if b.ref_cnt == 1 and not self.enable_caching:
+                        self.pool.uncache(b)  # with caching off only live requests share
+                    gone.append(b)
+                    table[i] = None
+            los[g] = lo
+        if gone:
+            self.pool.free(gone)
 
     def _name(self, request: Request, num_filled: int) -> None:
         """Give the request's full blocks among its first num_filled tokens their hash.
@@ -174,11 +316,13 @@ class KVCacheManager:
         full = min(num_filled, request.num_tokens) // self.block_size
         done = self.req_num_named.get(request.request_id, 0)
         if full > done:
-            blocks = self.req_blocks[request.request_id]
+            tables = self.req_blocks[request.request_id]
             hashes = self._hashes(request, full)
-            for i in range(done, full):
-                if blocks[i].block_hash is None:
-                    self.pool.cache(blocks[i], hashes[i])
+            for g, table in enumerate(tables):
+                for i in range(done, full):
+                    b = table[i]
+                    if b is not None and b.block_hash is None:
+                        self.pool.cache(b, group_key(hashes[i], g))
             self.req_num_named[request.request_id] = full
 
     def name_known(self, request: Request) -> None:
@@ -186,36 +330,63 @@ class KVCacheManager:
         if self._hashing(request) and request.request_id in self.req_blocks:
             self._name(request, request.num_computed_tokens)
 
-    def computed_blocks(self, request: Request) -> list[KVBlock]:
-        """The leading run of the request's full blocks whose K/V is computed and which are
-        named by their content: what a later request with the same tokens finds as its
-        cached prefix (a lookup stops at the first block it cannot find)."""
-        blocks = self.req_blocks.get(request.request_id, [])
-        full = min(request.num_computed_tokens // self.block_size, self.req_num_named.get(request.request_id, 0))
-        out = []
-        for b in blocks[:full]:
-            if b.block_hash is None:
-                break
-            out.append(b)
-        return out
+    def history(self, request: Request) -> History:
+        """The request's computed blocks that a continuation can find as its cached prefix
+        (a session pins them): the leading run of full blocks named by their content (a
+        lookup stops at the first block it cannot find), in every group, a sliding group's
+        from the start of its window before the run's end."""
+        rid = request.request_id
+        tables = self.req_blocks.get(rid)
+        if not tables:
+            return _NO_HISTORY
+        n = min(request.num_computed_tokens // self.block_size, self.req_num_named.get(rid, 0))
+        for g, table in enumerate(tables):  # the run ends at the first unnamed block it needs
+            lo = self.req_lo[rid][g]
+            n = next((i for i in range(lo, min(n, len(table)))
+                      if table[i] is None or table[i].block_hash is None), n)
+        blocks = []
+        for g, table in enumerate(tables):
+            first = max(self._first_needed(g, n * self.block_size), self.req_lo[rid][g])
+            blocks.extend(b for b in table[first:n] if b is not None)
+        if not blocks:
+            return _NO_HISTORY
+        return History(tuple(blocks), n, self.req_hashes[rid][n - 1])
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """One group's block table (null_block_id where it holds none)."""
+        tables = self.req_blocks.get(request_id)
+        if not tables:
+            return []
+        null = self.null_block_id
+        return [null if b is None else b.block_id for b in tables[group]]
+
+    def group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        """Every group's block table where the layout has several groups, else None."""
+        if self.num_groups == 1:
+            return None
+        return [self.block_ids(request_id, g) for g in range(self.num_groups)]
 
     def free(self, request: Request) -> None:
         """Return a request's blocks. Blocks whose K/V it never finished computing lose
         their hash (their content is not what the hash says); with caching off, all do."""
-        blocks = self.req_blocks.pop(request.request_id, None)
-        self.req_hashes.pop(request.request_id, None)
-        self.req_num_named.pop(request.request_id, None)
-        if not blocks:
+        rid = request.request_id
+        tables = self.req_blocks.pop(rid, None)
+        self.req_lo.pop(rid, None)
+        self.req_hashes.pop(rid, None)
+        self.req_num_named.pop(rid, None)
+        if not tables:
             return
         computed = request.num_computed_tokens // self.block_size
-        for i, block in enumerate(blocks):
-            if block.ref_cnt == 1 and (i >= computed or not self.enable_caching):
-                self.pool.uncache(block)
+        gone: list[KVBlock] = []
+        for table in tables:
+            for i, block in enumerate(table):
+                if block is None:
+                    continue
+                if block.ref_cnt == 1 and (i >= computed or not self.enable_caching):
+                    self.pool.uncache(block)
+                gone.append(block)
         # Tail first: the end of a sequence is the least likely to be reused.
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free(list(reversed(gone)))
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()

@@ -70,7 +70,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]            # tokens to compute this step
     start_pos: int                  # position of token_ids[0] (= tokens already computed)
-    block_ids: list[int]
+    block_ids: list[int]            # its block table (the layout's first group's)
     needs_logits: bool              # a decode, or the last chunk of a prompt
     params: SamplingParams
     # Read-only views for penalties; the runner never mutates them.
@@ -90,6 +90,9 @@ class ScheduledRequest:
     # Asynchronous scheduling: the last of token_ids is the one the step in flight samples
     # for this request (a placeholder here; the runner takes it from that step's output).
     pending_input: bool = False
+    # Every layout group's block table, where sliding-window layers have groups of their
+    # own (core/kv_layout.py); None with one group (block_ids is then all of it).
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -203,7 +206,8 @@ class Scheduler:
     def _is_warm(self, req: Request) -> bool:
         """A call that re-sends the history its session holds pinned (only its new turn
         is left to compute)."""
-        return req.session is not None and req.session.num_pinned > 0 and self.kv.resends(req, req.session.blocks)
+        s = req.session
+        return s is not None and s.num_pinned > 0 and self.kv.resends(req, s.history_blocks, s.history_hash)
 
     def _next_waiting(self, now: float) -> Request:
         """The waiting request the policy admits next."""
@@ -250,7 +254,7 @@ class Scheduler:
             if (pins_off or r.session is None or r.session.calls > 1 or r.first_scheduled_time is not None
                     or not self.running or now - r.arrival_time >= self.sessions.ttl_max_s):
                 return True
-            need = self.kv.blocks_needed(r.num_tokens)
+            need = self.kv.blocks_held(r.num_tokens)
             if need > budget or used + need <= budget:
                 return True
             if not r.session.held_at_door:
@@ -348,6 +352,7 @@ class Scheduler:
             budget -= n
 
         # Admit waiting requests only if nobody had to be preempted for room.
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         while (not preempted and admit_more and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting(now)
@@ -361,6 +366,18 @@ class Scheduler:
             if (self.sessions.num_pinned and self.kv.num_free_blocks - self.kv.free_blocks_taken(req, n, prefix)
                     < len(self.running)):
                 break
+            # Room for every admitted prompt to finish: a request admitted into blocks that
+            # the prompts already running will need for their next chunks gets one of them
+            # preempted a few steps later and its prompt recomputed (with sliding-window
+            # groups, whose prompts hold more blocks than they keep, this took a 0.1 GiB
+            # Gemma 3 run of 2k-token prompts from 21 preemptions to none, docs/benchmarks.md).
+            # With nothing running it is admitted anyway: the pool is as free as it gets.
+            if self.running and (n < req.num_tokens - req.num_computed_tokens - prefix.num_tokens or prefilling):
+                chunk = self.config.max_num_batched_tokens
+                room = self.kv.num_free_blocks - sum(self.kv.prompt_growth(r, chunk) for r in prefilling)
+                if room < max(self.kv.free_blocks_taken(req, n, prefix),
+                              self.kv.peak_blocks(req.num_prompt_tokens, chunk) - len(prefix.blocks)):
+                    break
             if self.kv.allocate(req, n, prefix) is None:
                 break
             if req is self.waiting[0]:
@@ -377,6 +394,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                prefilling.append(req)
             scheduled[req.request_id] = self._plan_entry(req, n)
             budget -= n
 
@@ -415,6 +434,7 @@ class Scheduler:
             grammar=req.grammar if needs_logits else None,
             draft_token_ids=draft or [],
             pending_input=pending,
+            group_block_ids=self.kv.group_block_ids(req.request_id),
         )
 
     # -- asynchronous scheduling ----------------------------------------------
@@ -574,7 +594,7 @@ class Scheduler:
             # A call that ended normally pins its history for the session's next call; an
             # aborted or failed one does not.
             pin = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-            self.sessions.call_ended(req.session, self.kv.computed_blocks(req) if pin else [], pin)
+            self.sessions.call_ended(req.session, self.kv.history(req) if pin else None, pin)
             req.session = None  # (ended once, whatever removes it later)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)

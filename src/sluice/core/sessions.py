@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sluice.core.block_pool import BlockPool, KVBlock
+from sluice.core.kv_cache_manager import History
 
 # VTC's weights: an output token costs twice an input token (the paper's w_q = 2 w_p: a
 # decode token takes a step's slot for one token where a prompt chunk amortizes it).
@@ -56,6 +57,10 @@ GAP_HISTORY = 8
 class Session:
     key: tuple[str, str]                 # (tenant namespace, session id)
     blocks: list[KVBlock] = field(default_factory=list)   # pinned: one reference each
+    # The token blocks the pinned history stands for (every layout group's blocks of it):
+    # how many, and the last one's chain hash (what a next call that re-sends it matches).
+    history_blocks: int = 0
+    history_hash: bytes | None = None
     expires_at: float = 0.0
     last_end: float | None = None        # when its last call ended
     gaps: deque = field(default_factory=lambda: deque(maxlen=GAP_HISTORY))
@@ -146,9 +151,11 @@ class SessionTable:
             return 0.0
         return min(self.ttl_max_s, max(TTL_GAP_FACTOR * longest, 1.0))
 
-    def call_ended(self, s: Session, blocks: list[KVBlock], pin: bool) -> None:
-        """A call of s ended; blocks: its full, computed blocks (prompt and output) in order,
-        still referenced by the request. With pin, they replace the session's pin."""
+    def call_ended(self, s: Session, history: History | None, pin: bool) -> None:
+        """A call of s ended; history: its full, computed blocks (prompt and output), still
+        referenced by the request (kv_cache_manager.History). With pin, they replace the
+        session's pin."""
+        blocks = list(history.blocks) if history is not None else []
         now = self.clock()
         s.active = max(0, s.active - 1)
         s.last_end = now
@@ -163,6 +170,7 @@ class SessionTable:
         self.pool.take(blocks)
         old = s.blocks
         s.blocks = list(blocks)
+        s.history_blocks, s.history_hash = history.num_full_blocks, history.last_hash
         self.num_pinned += len(blocks) - len(old)
         self.pinned[s.key] = s
         if old:

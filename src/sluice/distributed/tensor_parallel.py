@@ -113,13 +113,15 @@ def step_inputs(plan) -> list[tuple]:
     """What the other ranks need of a step plan to build its flat batch (runner._prepare):
     per scheduled request its tokens, first position, blocks, whether logits are due and
     how many drafts it verifies. Sampling parameters and grammars stay on rank 0."""
-    return [(e.token_ids, e.start_pos, e.block_ids, e.needs_logits, len(e.draft_token_ids)) for e in plan.scheduled]
+    return [(e.token_ids, e.start_pos, e.block_ids, e.needs_logits, len(e.draft_token_ids), e.group_block_ids)
+            for e in plan.scheduled]
 
 
 def plan_from_inputs(inputs: list[tuple]):
     from sluice.core.scheduler import ScheduledRequest, StepPlan
-    entries = [ScheduledRequest("", ids, start, blocks, logits, None, [], [], draft_token_ids=[0] * drafts)
-               for ids, start, blocks, logits, drafts in inputs]
+    entries = [ScheduledRequest("", ids, start, blocks, logits, None, [], [], draft_token_ids=[0] * drafts,
+                                group_block_ids=groups)
+               for ids, start, blocks, logits, drafts, groups in inputs]
     return StepPlan(entries, sum(len(e.token_ids) for e in entries))
 
 

@@ -156,7 +156,7 @@ class LLMEngine:
         self.runner.set_grammar_mask_width(self.grammars.mask_width)
         self.runner.tp = self.tp
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 enable_caching=config.cache.enable_prefix_caching)
+                                 enable_caching=config.cache.enable_prefix_caching, windows=self.runner.layout.windows)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.timings = StepTimings(runner=self.runner.timings)
@@ -282,7 +282,9 @@ class LLMEngine:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                              f"{prompt_len + max_tokens} exceeds max_model_len {limit} by "
                              f"{prompt_len + max_tokens - limit}")
-        capacity = self.kv.num_blocks * self.kv.block_size
+        # The longest sequence the pool can hold (sliding-window groups hold their window's
+        # blocks, however long it grows; a prompt chunk is at most a step's budget).
+        capacity = self.kv.capacity_tokens(self.config.scheduler.max_num_batched_tokens, limit)
         if prompt_len + max_tokens > capacity:
             if params.max_tokens is None and prompt_len < capacity:
                 return capacity - prompt_len
@@ -423,7 +425,8 @@ class LLMEngine:
         that may have left the queues inconsistent (the caller ends the dropped requests'
         streams)."""
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.cache.block_size,
-                                 enable_caching=self.config.cache.enable_prefix_caching)
+                                 enable_caching=self.config.cache.enable_prefix_caching,
+                                 windows=self.runner.layout.windows)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._inflight, self._stashed = None, []

@@ -128,7 +128,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h, residual = layers[0].input_layernorm(x), x
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             cos, sin = local if layer.self_attn.window else full
-            attn = layer.post_attention_layernorm(layer.self_attn(h, cos, sin, meta, kv))
+            attn = layer.post_attention_layernorm(layer.self_attn(h, cos, sin, meta.for_layer(i), kv))
             pre = layer.pre_feedforward_layernorm
             h, residual = pre.ops.add_rms_norm(attn, residual, pre.weight, pre.eps)
             mlp = layer.post_feedforward_layernorm(layer.mlp(h))

@@ -351,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
         layers, norm = self.model.layers, self.model.norm
         h, residual = layers[0].input_layernorm(x), x
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            attn = layer.self_attn(h, cos, sin, meta, kv)
+            attn = layer.self_attn(h, cos, sin, meta.for_layer(i), kv)
             post = layer.post_attention_layernorm
             h, residual = post.ops.add_rms_norm(attn, residual, post.weight, post.eps)
             mlp = layer.mlp(h)

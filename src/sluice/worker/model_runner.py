@@ -90,15 +90,24 @@ class ModelRunner:
         # KV heads this process holds: all of the model's, or a tensor-parallel rank's.
         self.num_kv_heads = getattr(model, "num_kv_heads", self.arch.num_kv_heads)
         self.kv_cache_dtype = cache.kv_cache_dtype
+        # How the layers share the block pool (groups by sliding window, core/kv_layout.py):
+        # layer i reads and writes K/V tensor layer_places[i][1] through group
+        # layer_places[i][0]'s block tables.
+        self.layout = backend.kv_layout(self.arch)
+        self.layer_places = self.layout.layer_places(self.arch.num_layers)
         self.num_blocks = backend.num_kv_blocks(cache, self.arch, self.num_kv_heads)
         # One extra block past the pool: padding rows of a bucketed batch write their K/V there.
         self.scratch_slot = self.num_blocks * cache.block_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # one pair per tensor slot
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # each layer's pair
         self.allocate_kv()
         per_block = backend.kv_bytes_per_block(self.arch, cache.block_size, self.num_kv_heads)
-        logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", self.num_blocks, cache.block_size,
+        groups = "" if self.layout.num_groups == 1 else (
+            f"; {self.layout.num_groups} layer groups of {self.layout.group_size} ({self.layout.describe()}), "
+            "sliding-window groups giving back the blocks behind their window")
+        logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)%s", self.num_blocks, cache.block_size,
                     "int8" if cache.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch."),
-                    self.num_blocks * per_block / 2**30)
+                    self.num_blocks * per_block / 2**30, groups)
         # Tensor parallelism: rank 0's handle on the other ranks (distributed/tensor_parallel.py),
         # which each step's inputs are sent to; None in one process and on the other ranks.
         self.tp = None
@@ -119,8 +128,9 @@ class ModelRunner:
         """K and V tensors for every layer (zeros); a no-op if they exist. The backend then
         records what reads them (CUDA graphs)."""
         if self.kv_caches is None:
-            self.kv_caches = self.backend.allocate_kv_cache(self.arch.num_layers, self.num_kv_heads, self.num_blocks,
-                                                            self.block_size, self.arch.head_dim)
+            self.kv_tensors = self.backend.allocate_kv_cache(self.layout.group_size, self.num_kv_heads,
+                                                             self.num_blocks, self.block_size, self.arch.head_dim)
+            self.kv_caches = [self.kv_tensors[j] for _, j in self.layer_places]
             self.backend.capture(self)
 
     def free_kv(self) -> int:
@@ -128,8 +138,8 @@ class ModelRunner:
         if self.kv_caches is None:
             return 0
         self.backend.release()
-        freed = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
-        self.kv_caches = None
+        freed = sum(t.numel() * t.element_size() for pair in self.kv_tensors for t in pair)
+        self.kv_caches = self.kv_tensors = None
         return freed
 
     # -- inputs ---------------------------------------------------------------
@@ -137,22 +147,16 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        block_ids: list[list[int]] = []
         logits_rows: list[int] = []
         for e in plan.scheduled:
             q = len(e.token_ids)
             end = query_start[-1] + q
             input_ids.extend(e.token_ids)
-            pos = range(e.start_pos, e.start_pos + q)
-            positions.extend(pos)
-            blocks = e.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(e.start_pos, e.start_pos + q))
             query_start.append(end)
             seq_lens.append(e.start_pos + q)
-            block_ids.append(blocks)
             if e.needs_logits:  # the last row; with drafts, also the rows that verify them
                 logits_rows.extend(range(end - 1 - len(e.draft_token_ids), end))
         num_tokens = len(input_ids)
@@ -160,9 +164,21 @@ class ModelRunner:
         if pad:
             input_ids.extend([0] * pad)
             positions.extend([0] * pad)
-            slots.extend([self.scratch_slot] * pad)
         logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
-        meta = self.backend.attention_metadata(FlatBatch(query_start, seq_lens, block_ids, slots, bs))
+
+        def batch(tables: list[list[int]]) -> FlatBatch:
+            slots: list[int] = []
+            for e, blocks in zip(plan.scheduled, tables):
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(e.start_pos, e.start_pos + len(e.token_ids)))
+            slots.extend([self.scratch_slot] * pad)
+            return FlatBatch(query_start, seq_lens, tables, slots, bs)
+
+        meta = self.backend.attention_metadata(batch([e.block_ids for e in plan.scheduled]))
+        if self.layout.num_groups > 1:
+            # Each group's own tables and slots (group 0's are the ones above).
+            metas = [meta] + [self.backend.group_metadata(meta, batch([e.group_block_ids[g] for e in plan.scheduled]))
+                              for g in range(1, self.layout.num_groups)]
+            meta.layer_meta = [metas[g] for g, _ in self.layer_places]
         to_device = self.backend.to_device
         return to_device(input_ids), to_device(positions), meta, to_device(logits_rows)
 

@@ -423,7 +423,7 @@ class CpuBackend(Backend):
         if self.kv_cache_dtype != "int8":
             return super().kv_bytes_per_block(arch, block_size, num_kv_heads)
         row = arch.head_dim + INT8_ROW_EXTRA  # int8 values and a float32 scale per token and kv head
-        return 2 * arch.num_layers * block_size * (num_kv_heads or arch.num_kv_heads) * row
+        return 2 * self.kv_layout(arch).group_size * block_size * (num_kv_heads or arch.num_kv_heads) * row
 
     def allocate_kv_cache(self, num_layers, num_kv_heads, num_blocks, block_size, head_dim):
         if self.kv_cache_dtype != "int8":
@@ -485,6 +485,15 @@ class CpuBackend(Backend):
             meta.decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
             meta.decode_seq_lens = d_lens.to(dev)
         return meta
+
+    def group_metadata(self, base: AttentionMetadata, batch: FlatBatch) -> AttentionMetadata:
+        if base.flat_kernel is None:
+            return self.attention_metadata(batch)
+        # One flat kernel call per layer reads only the tables and the slots: the rest is shared.
+        max_blocks = max(len(b) for b in batch.block_ids)
+        tables = torch.tensor([b + [0] * (max_blocks - len(b)) for b in batch.block_ids], dtype=torch.long)
+        return dataclasses.replace(base, slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
+                                   block_tables=tables.to(self.device), layer_meta=None)
 
     def greedy_tokens(self, model, hidden: torch.Tensor, grammar=None) -> torch.Tensor | None:
         head = getattr(model, "greedy_head", None)

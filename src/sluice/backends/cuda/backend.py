@@ -130,6 +130,9 @@ class CudaBackend(Backend):
     default_max_num_batched_tokens = 2048
     # The host plans step N + 1 and reads step N - 1's tokens while the GPU runs step N.
     overlap_pays = True
+    # One block table for every layer: the graphs record one step record (a windowed layer
+    # masks its keys but keeps its blocks); sliding-window groups are the CPU backend's.
+    hybrid_kv = False
     ops = TRITON_OPS
 
     # -- chosen before anything loads ----------------------------------------------
