@@ -77,15 +77,10 @@ def gemma3_llm():
     return LLM(model="gemma3-270m", dtype="float32", kv_cache_memory=0.25, max_num_batched_tokens=256)
 
 
-def test_gemma3_270m_gguf_matches_transformers(gemma3_llm):
+def test_gemma3_270m_gguf_matches_transformers(gemma3_llm, hf_gguf_reference):
     """The real Q4_K_M file: our loader + model vs transformers loading the same file, greedy
     tokens in one batch, one prompt (629 tokens, in chunks of 256) past the 512-token window."""
-    from transformers import AutoModelForCausalLM
-
-    from sluice.models.loader import load_hf_config, resolve_model
-    src = resolve_model("gemma3-270m")
-    ref = AutoModelForCausalLM.from_pretrained(str(src.folder), gguf_file=src.path.name, config=load_hf_config(src),
-                                               dtype=torch.float32).eval()
+    ref = hf_gguf_reference("gemma3-270m")
     n = 8
     prompts = ["The capital of France is", LONG + " The color of item 71 is", "Hello"]
     outs = gemma3_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

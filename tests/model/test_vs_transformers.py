@@ -54,15 +54,9 @@ def test_tiny_checkpoint_matches_transformers(kind, tiny_checkpoint):
     assert_all_blocks_free(llm)
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_source, smollm2_llm):
+def test_smollm2_gguf_matches_transformers(smollm2_llm, hf_gguf_reference):
     """The default GGUF: our loader + model vs transformers loading the same file, 32 greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from sluice.models.loader import load_hf_config
-    # transformers' own config conversion (the one our loader keeps), passed in so that its
-    # GGUF reader parses the file's 49,152-token vocabulary once, not twice (~6 s).
-    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_source.folder), gguf_file=smollm2_source.path.name,
-                                               config=load_hf_config(smollm2_source), dtype=torch.float32).eval()
+    ref = hf_gguf_reference("smollm2-135m")
     n = 32
     chat = smollm2_llm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     prompts = PROMPTS + [chat]
