@@ -146,3 +146,35 @@ def test_tiny_gemma3_sliding_groups_under_prefix_cache_sessions_speculation_and_
     assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy)] == want
     assert small.engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(small)
+
+
+@pytest.mark.parametrize("settings", [dict(dtype="float32"), dict(dtype="bfloat16", kv_cache_dtype="int8")],
+                         ids=["float32", "bf16-int8kv"])
+def test_tiny_gemma3_layer_groups_give_the_plain_caches_bits(tiny_checkpoint, best_kernel_isa, settings,
+                                                             monkeypatch):
+    """Freeing a window's blocks changes which blocks a sliding layer holds, never what it
+    reads: seeded samples (n = 2, sharing their prompt's blocks), logprobs, prompt
+    logprobs, stop strings and chunked prompts give the same tokens and the same float
+    bits as with every layer keeping every block (one group), in float32 on torch's
+    attention and in bfloat16 with an int8 KV cache on the kernels."""
+    from sluice.backends.cpu.backend import CpuBackend
+    path = str(tiny_checkpoint("gemma3"))
+    prompts = [LONG[:150], LONG[60:400], "Hello", LONG[:150] + " and more"]
+    params = [SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=14, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, prompt_logprobs=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, stop=["e"]),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)]
+
+    def run():
+        llm = LLM(model=path, cpu_isa=best_kernel_isa, num_blocks=128, block_size=16, max_num_batched_tokens=32,
+                  speculative_method=None, **settings)
+        outs = llm.generate(prompts, params)
+        assert_all_blocks_free(llm)
+        return llm.engine.runner.layout.num_groups, [
+            (o.prompt_logprobs, [(c.token_ids, c.text, c.logprobs) for c in o.outputs]) for o in outs]
+
+    groups, got = run()
+    monkeypatch.setattr(CpuBackend, "hybrid_kv", False)
+    one, want = run()
+    assert (groups, one) == (3, 1)
+    assert got == want
