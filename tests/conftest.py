@@ -148,6 +148,10 @@ def make_tiny_config(kind: str):
         from transformers import MixtralConfig
         return MixtralConfig(**{**TINY_COMMON, "num_hidden_layers": 3}, num_local_experts=4, num_experts_per_tok=2,
                              tie_word_embeddings=False)
+    if kind == "olmoe":  # 8 experts, top 2 not renormalised; q / k norms over all heads; qkv clipped
+        from transformers import OlmoeConfig
+        return OlmoeConfig(**{**TINY_COMMON, "num_hidden_layers": 3, "intermediate_size": 32}, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=2.0, tie_word_embeddings=False)
     if kind == "gemma3":
         # Gemma 3's shape in small: sliding-window layers (a window of 8, so that every test
         # prompt outgrows it) around a global one, each kind with its own RoPE (the global

@@ -31,7 +31,7 @@ def hf_greedy(model, prompt_ids: list[int], n: int):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "qwen2-yarn", "gemma3",
-                                  "qwen3-moe", "mixtral"])
+                                  "qwen3-moe", "mixtral", "olmoe"])
 def test_tiny_checkpoint_matches_transformers(kind, tiny_checkpoint):
     """Greedy tokens identical and logprobs within fp32 tolerance, three prompts in one batch."""
     from transformers import AutoModelForCausalLM

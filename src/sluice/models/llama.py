@@ -57,6 +57,10 @@ class LlamaArch:
     norm_topk_prob: bool = True
     router_weights_in_dtype: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    # OLMoE: the q / k norms span all heads' projections (not one head), and q, k and v are
+    # clipped to +-clip_qkv where the config says so.
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
 
     @classmethod
     def from_hf_config(cls, cfg) -> "LlamaArch":
@@ -87,6 +91,10 @@ class LlamaArch:
                        router_weights_in_dtype=True,
                        sparse_layers=tuple(i not in dense and (i + 1) % step == 0
                                            for i in range(cfg.num_hidden_layers)))
+        elif model_type == "olmoe":
+            moe = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                       moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob),
+                       router_weights_in_dtype=True, sparse_layers=(True,) * cfg.num_hidden_layers)
         elif model_type == "mixtral":
             moe = dict(num_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                        moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=True,
@@ -108,9 +116,11 @@ class LlamaArch:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
             layer_windows=windows if any(windows) else (),
             **moe,
+            qk_norm_full=model_type == "olmoe",
+            clip_qkv=getattr(cfg, "clip_qkv", None) if model_type == "olmoe" else None,
         )
 
 
@@ -234,15 +244,26 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.o_proj.reduce = tp.group
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        # Per head (Qwen3), or over all heads' projections before they are split (OLMoE).
+        self.qk_norm_full, self.clip_qkv = arch.qk_norm_full, arch.clip_qkv
+        q_dim, k_dim = (self.q_size, self.kv_size) if arch.qk_norm_full else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
         # Keys a query sees, itself included (0: all before it); a sliding-window layer's.
         self.window = 0
 
     def forward(self, x, cos, sin, meta, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        q = self.ops.rope_write_kv(self.qkv_proj(x), cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
-                                   self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
+        qkv, q_norm, k_norm = self.qkv_proj(x), self.q_norm, self.k_norm
+        if self.qk_norm_full or self.clip_qkv is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm_full:
+                q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            qkv = torch.cat([q, k, v], dim=-1)
+        q = self.ops.rope_write_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads,
+                                   self.num_kv_heads, self.head_dim, q_norm, k_norm)
         if self.window:
             o = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         else:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders over one flat batch: Qwen3-MoE and Mixtral.
+"""Mixture-of-experts decoders over one flat batch: Qwen3-MoE, Mixtral and OLMoE.
 
 The Llama family's attention with a sparse MLP: a router picks each token's top-k experts
 (softmax over all experts, the k largest, renormalised where the config says so), and

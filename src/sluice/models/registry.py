@@ -13,11 +13,12 @@ _MODELS = {
     "MistralForCausalLM": (LlamaForCausalLM, LlamaArch),
     "Qwen3MoeForCausalLM": (MoEForCausalLM, LlamaArch),
     "MixtralForCausalLM": (MoEForCausalLM, LlamaArch),
+    "OlmoeForCausalLM": (MoEForCausalLM, LlamaArch),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, Gemma3Arch),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM"}
 
 
@@ -42,4 +43,7 @@ def build_model(hf_config, tp: TPShard = SINGLE):
     model_cls, arch_cls = _classes(hf_config)
     arch = arch_cls.from_hf_config(hf_config)
     check_tp_size(tp.size, arch.num_kv_heads)
+    if tp.size > 1 and getattr(arch, "qk_norm_full", False):
+        raise ValueError("this model's q / k norms span every attention head (OLMoE): tensor parallelism would "
+                         "split them; run it with tensor_parallel_size=1")
     return model_cls(arch, tp)
