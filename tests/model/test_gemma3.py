@@ -148,15 +148,18 @@ def test_tiny_gemma3_sliding_groups_under_prefix_cache_sessions_speculation_and_
     assert_all_blocks_free(small)
 
 
-@pytest.mark.parametrize("settings", [dict(dtype="float32"), dict(dtype="bfloat16", kv_cache_dtype="int8")],
-                         ids=["float32", "bf16-int8kv"])
+@pytest.mark.parametrize("settings", [dict(dtype="float32"), dict(dtype="bfloat16", kv_cache_dtype="int8"),
+                                      dict(dtype="float32", async_scheduling=True, enable_prefix_caching=True)],
+                         ids=["float32", "bf16-int8kv", "async-prefix-cache"])
 def test_tiny_gemma3_layer_groups_give_the_plain_caches_bits(tiny_checkpoint, best_kernel_isa, settings,
                                                              monkeypatch):
     """Freeing a window's blocks changes which blocks a sliding layer holds, never what it
     reads: seeded samples (n = 2, sharing their prompt's blocks), logprobs, prompt
     logprobs, stop strings and chunked prompts give the same tokens and the same float
     bits as with every layer keeping every block (one group), in float32 on torch's
-    attention and in bfloat16 with an int8 KV cache on the kernels."""
+    attention and in bfloat16 with an int8 KV cache on the kernels, and planned while the
+    step before runs (asynchronous scheduling: blocks named as their last token arrives)
+    with prompts found in the prefix cache."""
     from sluice.backends.cpu.backend import CpuBackend
     path = str(tiny_checkpoint("gemma3"))
     prompts = [LONG[:150], LONG[60:400], "Hello", LONG[:150] + " and more"]
@@ -171,10 +174,13 @@ def test_tiny_gemma3_layer_groups_give_the_plain_caches_bits(tiny_checkpoint, be
         outs = llm.generate(prompts, params)
         assert_all_blocks_free(llm)
         return llm.engine.runner.layout.num_groups, [
-            (o.prompt_logprobs, [(c.token_ids, c.text, c.logprobs) for c in o.outputs]) for o in outs]
+            (o.num_cached_tokens, o.prompt_logprobs, [(c.token_ids, c.text, c.logprobs) for c in o.outputs])
+            for o in outs]
 
     groups, got = run()
     monkeypatch.setattr(CpuBackend, "hybrid_kv", False)
     one, want = run()
     assert (groups, one) == (3, 1)
     assert got == want
+    if settings.get("enable_prefix_caching"):
+        assert got[3][0] > 0  # the last prompt found the first one's blocks
