@@ -1,7 +1,11 @@
-"""A mixture-of-experts GGUF (llama.cpp's qwen3moe layout: every expert of a layer in one
-3-D tensor, ffn_{gate,up,down}_exps, and the router ffn_gate_inp): written here from a tiny
-random Qwen3-MoE with the default model's tokenizer, loaded as llama.cpp's files are."""
+"""Mixture-of-experts GGUFs (llama.cpp's layout: every expert of a layer in one 3-D tensor,
+ffn_{gate,up,down}_exps, and the router ffn_gate_inp), qwen3moe files and Mixtral's (a
+`llama` file with experts, Q and K permuted as llama.cpp's converter does): written here
+from tiny random checkpoints with the default model's tokenizer, loaded as llama.cpp's
+files are."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -19,43 +23,85 @@ LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
 
 
-def write_qwen3moe_gguf(state: dict, config, path, tokenizer_from, experts_type: GGMLQuantizationType):
-    """state: the checkpoint's tensors as saved (one tensor per expert and projection)."""
-    w = GGUFWriter(str(path), "qwen3moe")
+@functools.lru_cache(maxsize=1)
+def tokenizer_fields(path: str) -> list[tuple]:
+    """A GGUF's tokenizer metadata (the vocabulary, merges, special ids), read once for
+    every file written here (gguf's reader takes seconds over a 49,152-token vocabulary)."""
+    out = []
+    for field in GGUFReader(path).fields.values():
+        if field.name.startswith("tokenizer."):
+            vtype = field.types[0]
+            out.append((field.name, field.contents(), vtype, field.types[-1] if vtype.name == "ARRAY" else None))
+    return out
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's permute() of Q and K rows for `llama` files (rotate-half
+    pairs to interleaved ones): what our loader undoes."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_qwen3moe_gguf(state: dict, config, path, tokenizer_from, experts_type: GGMLQuantizationType,
+                        arch: str = "qwen3moe"):
+    """state: the checkpoint's tensors as saved (one tensor per expert and projection).
+    arch "llama": Mixtral's layout (block_sparse_moe names in, Q and K permuted, an untied
+    output matrix)."""
+    mixtral = arch == "llama"
+    experts = config.num_local_experts if mixtral else config.num_experts
+    if mixtral:  # Mixtral's checkpoint names -> Qwen3-MoE's, which the writer below reads
+        renames = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                   (".w2.", ".down_proj."))
+        out = {}
+        for name, t in state.items():
+            for a, b in renames:
+                name = name.replace(a, b)
+            out[name] = t
+        state = out
+    w = GGUFWriter(str(path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_block_count(config.num_hidden_layers)
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(config.intermediate_size)
-    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if not mixtral:
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if mixtral:
+        w.add_rope_dimension_count(head_dim)
+    else:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_expert_count(config.num_experts)
+    w.add_expert_count(experts)
     w.add_expert_used_count(config.num_experts_per_tok)
     w.add_file_type(GGMLQuantizationType.F32)
-    for field in GGUFReader(str(tokenizer_from)).fields.values():  # the vocabulary, merges, special ids
-        if field.name.startswith("tokenizer."):
-            value = field.contents()
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype.name == "ARRAY" else None
-            w.add_key_value(field.name, value, vtype, sub_type=sub)
+    for name, value, vtype, sub in tokenizer_fields(str(tokenizer_from)):
+        w.add_key_value(name, value, vtype, sub_type=sub)
     for name, t in state.items():
-        if ".experts." in name or name == "lm_head.weight":
+        if ".experts." in name:
             continue
+        if name == "lm_head.weight":
+            if mixtral:
+                w.add_tensor("output.weight", t.float().numpy())
+            continue
+        kind = None
         if name in NAMES:
             gname = NAMES[name]
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             kind, _, suffix = rest.rpartition(".")
             gname = f"blk.{layer}.{LAYER[kind]}.{suffix}"
-        w.add_tensor(gname, t.float().numpy())
+        a = t.float().numpy()
+        if mixtral and kind in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = llama_cpp_permute(a, config.num_attention_heads if kind == "self_attn.q_proj"
+                                  else config.num_key_value_heads)
+        w.add_tensor(gname, a)
     for i in range(config.num_hidden_layers):
         for proj in ("gate", "up", "down"):
             stacked = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"].float().numpy()
-                                for e in range(config.num_experts)])
+                                for e in range(experts)])
             if experts_type == GGMLQuantizationType.F32:
                 w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", stacked)
             else:
@@ -123,3 +169,31 @@ def test_moe_gguf_experts_run_in_their_q8_0_blocks(moe_files, best_kernel_isa):
     assert torch.equal(rows, torch.from_numpy(want))
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_mixtral_gguf_loads_like_its_checkpoint(tmp_path, hf_tokenizer, smollm2_source):
+    """A Mixtral file as llama.cpp writes it (architecture `llama` with expert_count, Q and
+    K permuted, experts stacked): read as Mixtral, float32 tokens equal the Hugging Face
+    checkpoint's, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, MixtralConfig
+    config = MixtralConfig(**{**TINY_COMMON, "num_hidden_layers": 2, "intermediate_size": 48}, num_local_experts=4,
+                           num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    hf_tokenizer.save_pretrained(tmp_path / "hf")
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_qwen3moe_gguf(state, config, path, smollm2_source.path, GGMLQuantizationType.F32, arch="llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    hf = LLM(model=str(tmp_path / "hf"), dtype="float32", num_blocks=64)
+    want = [o.outputs[0].token_ids for o in hf.generate(PROMPTS, params)]
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    arch = llm.engine.runner.model.arch
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (4, 2, 48)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want

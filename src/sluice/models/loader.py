@@ -191,17 +191,27 @@ def gguf_tensor_bytes(path: Path) -> int:
 def gguf_config_fixups(config, meta: dict):
     """What transformers' GGUF config reading leaves out: a Qwen3-MoE file's expert width
     (`expert_feed_forward_length`; transformers keeps its default) and its renormalised
-    top-k weights (llama.cpp's qwen3moe graph always renormalises)."""
+    top-k weights (llama.cpp's qwen3moe graph always renormalises); and Mixtral, which
+    llama.cpp writes as a `llama` file with experts (`llama.expert_count`), read by
+    transformers as a dense Llama: made a Mixtral config of the same sizes, its
+    feed_forward_length each expert's width."""
     if config.model_type == "qwen3_moe":
         width = meta.get("qwen3moe.expert_feed_forward_length")
         if width:
             config.moe_intermediate_size = int(width)
         config.norm_topk_prob = True
+    if config.model_type == "llama" and int(meta.get("llama.expert_count") or 0) > 0:
+        from transformers import MixtralConfig
+        fields = {k: v for k, v in config.to_dict().items()
+                  if k not in ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp")}
+        config = MixtralConfig(**fields, num_local_experts=int(meta["llama.expert_count"]),
+                               num_experts_per_tok=int(meta["llama.expert_used_count"]), sliding_window=None)
+        config.architectures = ["MixtralForCausalLM"]
     return config
 
 
 # Bump when what gguf_converted writes changes.
-_CONVERTED_FORMAT = 3
+_CONVERTED_FORMAT = 4
 
 
 def gguf_converted(src: ModelSource) -> Path | None:
