@@ -137,13 +137,13 @@ def gguf_linear_types(src: ModelSource) -> set[str]:
 def load_hf_config(src: ModelSource):
     from transformers import AutoConfig
     if src.is_gguf:
-        check_gguf(src.path)
+        meta = check_gguf(src.path)[0]
         try:
             converted = gguf_converted(src)
             if converted is not None:
-                return AutoConfig.from_pretrained(str(converted))
-            return gguf_config_fixups(AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name),
-                                      read_gguf(src.path)[0])
+                # (Fixed up again: a conversion cached before a fix-up existed lacks it.)
+                return gguf_config_fixups(AutoConfig.from_pretrained(str(converted)), meta)
+            return gguf_config_fixups(AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name), meta)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{src.path}: transformers cannot read this GGUF's metadata "
                              f"({type(e).__name__}: {e})") from None
@@ -211,7 +211,7 @@ def gguf_config_fixups(config, meta: dict):
 
 
 # Bump when what gguf_converted writes changes.
-_CONVERTED_FORMAT = 4
+_CONVERTED_FORMAT = 3
 
 
 def gguf_converted(src: ModelSource) -> Path | None:
