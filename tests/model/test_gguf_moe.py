@@ -41,7 +41,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_qwen3moe_gguf(state: dict, config, path, tokenizer_from, experts_type: GGMLQuantizationType,
+def write_moe_gguf(state: dict, config, path, tokenizer_from, experts_type: GGMLQuantizationType,
                         arch: str = "qwen3moe"):
     """state: the checkpoint's tensors as saved (one tensor per expert and projection).
     arch "llama": Mixtral's layout (block_sparse_moe names in, Q and K permuted, an untied
@@ -113,27 +113,34 @@ def write_qwen3moe_gguf(state: dict, config, path, tokenizer_from, experts_type:
     w.close()
 
 
-@pytest.fixture(scope="module")
-def moe_files(tmp_path_factory, hf_tokenizer, smollm2_source):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-    config = Qwen3MoeConfig(**{**TINY_COMMON, "num_hidden_layers": 2}, head_dim=32, tie_word_embeddings=True,
-                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    torch.manual_seed(0)
+def save_tiny_checkpoint(config, folder, seed: int, tokenizer) -> dict:
+    """A random model of `config` (norms moved off 1, so that loading them is tested) saved
+    with the tokenizer into folder; returns its tensors as saved."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory, hf_tokenizer, smollm2_source):
+    from transformers import Qwen3MoeConfig
+    config = Qwen3MoeConfig(**{**TINY_COMMON, "num_hidden_layers": 2}, head_dim=32, tie_word_embeddings=True,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     root = tmp_path_factory.mktemp("moe-gguf")
-    model.save_pretrained(root / "hf")
-    hf_tokenizer.save_pretrained(root / "hf")
-    from safetensors.torch import load_file
-    state = load_file(str(root / "hf" / "model.safetensors"))
+    state = save_tiny_checkpoint(config, root / "hf", 0, hf_tokenizer)
     files = {}
     for t in (GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0):
         (root / t.name).mkdir()
         files[t.name] = root / t.name / "tiny-moe.gguf"
-        write_qwen3moe_gguf(state, config, files[t.name], smollm2_source.path, t)
+        write_moe_gguf(state, config, files[t.name], smollm2_source.path, t)
     return root / "hf", files
 
 
@@ -175,21 +182,12 @@ def test_mixtral_gguf_loads_like_its_checkpoint(tmp_path, hf_tokenizer, smollm2_
     """A Mixtral file as llama.cpp writes it (architecture `llama` with expert_count, Q and
     K permuted, experts stacked): read as Mixtral, float32 tokens equal the Hugging Face
     checkpoint's, bit for bit."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import MixtralConfig
     config = MixtralConfig(**{**TINY_COMMON, "num_hidden_layers": 2, "intermediate_size": 48}, num_local_experts=4,
                            num_experts_per_tok=2, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(tmp_path / "hf")
-    hf_tokenizer.save_pretrained(tmp_path / "hf")
-    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    state = save_tiny_checkpoint(config, tmp_path / "hf", 1, hf_tokenizer)
     path = tmp_path / "tiny-mixtral.gguf"
-    write_qwen3moe_gguf(state, config, path, smollm2_source.path, GGMLQuantizationType.F32, arch="llama")
+    write_moe_gguf(state, config, path, smollm2_source.path, GGMLQuantizationType.F32, arch="llama")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     hf = LLM(model=str(tmp_path / "hf"), dtype="float32", num_blocks=64)
     want = [o.outputs[0].token_ids for o in hf.generate(PROMPTS, params)]

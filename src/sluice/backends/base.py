@@ -150,11 +150,15 @@ class Backend:
             return KVLayout.for_windows(arch.num_layers, getattr(arch, "layer_windows", ()))
         return KVLayout.plain(arch.num_layers)
 
+    def kv_row_bytes(self, arch) -> int:
+        """Bytes of one token's K (or V) for one KV head in the cache."""
+        return arch.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
     def kv_bytes_per_block(self, arch, block_size: int, num_kv_heads: int | None = None) -> int:
         """Bytes of one KV block (the K/V of one layout group's layers; all layers where
         the layout has one group) for `num_kv_heads` (default the model's)."""
-        row = arch.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.kv_layout(arch).group_size * block_size * (num_kv_heads or arch.num_kv_heads) * row
+        heads = num_kv_heads or arch.num_kv_heads
+        return 2 * self.kv_layout(arch).group_size * block_size * heads * self.kv_row_bytes(arch)
 
     def num_kv_blocks(self, cache, arch, num_kv_heads: int | None = None) -> int:
         """The cache's block count: as the settings give it, else as many as

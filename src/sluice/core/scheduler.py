@@ -353,6 +353,7 @@ class Scheduler:
 
         # Admit waiting requests only if nobody had to be preempted for room.
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        reserve = None  # blocks the admitted prompts' next chunks will take (summed when first needed)
         while (not preempted and admit_more and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting(now)
@@ -374,7 +375,9 @@ class Scheduler:
             # With nothing running it is admitted anyway: the pool is as free as it gets.
             if self.running and (n < req.num_tokens - req.num_computed_tokens - prefix.num_tokens or prefilling):
                 chunk = self.config.max_num_batched_tokens
-                room = self.kv.num_free_blocks - sum(self.kv.prompt_growth(r, chunk) for r in prefilling)
+                if reserve is None:
+                    reserve = sum(self.kv.prompt_growth(r, chunk) for r in prefilling)
+                room = self.kv.num_free_blocks - reserve
                 if room < max(self.kv.free_blocks_taken(req, n, prefix),
                               self.kv.peak_blocks(req.num_prompt_tokens, chunk) - len(prefix.blocks)):
                     break
@@ -396,6 +399,8 @@ class Scheduler:
             self.running.append(req)
             if req.num_computed_tokens + n < req.num_prompt_tokens:
                 prefilling.append(req)
+                if reserve is not None:
+                    reserve += self.kv.prompt_growth(req, self.config.max_num_batched_tokens)
             scheduled[req.request_id] = self._plan_entry(req, n)
             budget -= n
 
@@ -420,11 +425,12 @@ class Scheduler:
                 prompt_lp = (lo, hi)
         pending = start + n > known
         tokens = req.token_ids_slice(start, min(start + n, known)) + [0] * pending
+        groups = self.kv.group_block_ids(req.request_id)
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tokens + (draft or []),
             start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id),
+            block_ids=groups[0] if groups else self.kv.block_ids(req.request_id),
             needs_logits=needs_logits,
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
@@ -434,7 +440,7 @@ class Scheduler:
             grammar=req.grammar if needs_logits else None,
             draft_token_ids=draft or [],
             pending_input=pending,
-            group_block_ids=self.kv.group_block_ids(req.request_id),
+            group_block_ids=groups,
         )
 
     # -- asynchronous scheduling ----------------------------------------------

@@ -419,11 +419,10 @@ class CpuBackend(Backend):
                                   model.model.embed_tokens.weight.dtype)
 
     # -- the KV cache -------------------------------------------------------------
-    def kv_bytes_per_block(self, arch, block_size: int, num_kv_heads: int | None = None) -> int:
+    def kv_row_bytes(self, arch) -> int:
         if self.kv_cache_dtype != "int8":
-            return super().kv_bytes_per_block(arch, block_size, num_kv_heads)
-        row = arch.head_dim + INT8_ROW_EXTRA  # int8 values and a float32 scale per token and kv head
-        return 2 * self.kv_layout(arch).group_size * block_size * (num_kv_heads or arch.num_kv_heads) * row
+            return super().kv_row_bytes(arch)
+        return arch.head_dim + INT8_ROW_EXTRA  # int8 values and a float32 scale per token and kv head
 
     def allocate_kv_cache(self, num_layers, num_kv_heads, num_blocks, block_size, head_dim):
         if self.kv_cache_dtype != "int8":
@@ -436,9 +435,7 @@ class CpuBackend(Backend):
     def attention_metadata(self, batch: FlatBatch) -> AttentionMetadata:
         dev, bs = self.device, batch.block_size
         qs, seq_lens = batch.query_start, batch.seq_lens
-        max_blocks = max(len(b) for b in batch.block_ids)
-        # One tensor built from padded lists: a per-request copy would be B small ops per step.
-        block_tables = torch.tensor([b + [0] * (max_blocks - len(b)) for b in batch.block_ids], dtype=torch.long)
+        block_tables = _padded_tables(batch.block_ids)
         prefills: list[PrefillChunk] = []
         decode_rows: list[int] = []
         decode_reqs: list[int] = []
@@ -490,10 +487,8 @@ class CpuBackend(Backend):
         if base.flat_kernel is None:
             return self.attention_metadata(batch)
         # One flat kernel call per layer reads only the tables and the slots: the rest is shared.
-        max_blocks = max(len(b) for b in batch.block_ids)
-        tables = torch.tensor([b + [0] * (max_blocks - len(b)) for b in batch.block_ids], dtype=torch.long)
         return dataclasses.replace(base, slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
-                                   block_tables=tables.to(self.device), layer_meta=None)
+                                   block_tables=_padded_tables(batch.block_ids).to(self.device), layer_meta=None)
 
     def greedy_tokens(self, model, hidden: torch.Tensor, grammar=None) -> torch.Tensor | None:
         head = getattr(model, "greedy_head", None)
@@ -504,6 +499,13 @@ class CpuBackend(Backend):
     def sampler_ops(self) -> tuple:
         k = self.kernels
         return getattr(k, "argmax_rows", None), getattr(k, "apply_token_bitmask", None)
+
+
+def _padded_tables(block_ids: list[list[int]]) -> torch.Tensor:
+    """[B, max blocks] from per-request tables, padded with 0: one tensor built from padded
+    lists (a per-request copy would be B small ops per step)."""
+    width = max(len(b) for b in block_ids)
+    return torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.long)
 
 
 def build_stack(model, k):
