@@ -161,6 +161,24 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    # Serve LoRA adapters (lora/): on with any lora_modules; on without them for adapters
+    # loaded at run time (the server's /v1/load_lora_adapter).
+    enable_lora: bool = False
+    # Adapters loaded at start: name -> PEFT folder (a request picks one by `model`).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    # Adapters resident at once (each in a slot of every adapted layer): also the most
+    # distinct adapters one step runs; the others wait in host memory.
+    max_loras: int = 4
+    # The largest adapter rank taken.
+    max_lora_rank: int = 64
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -168,12 +186,14 @@ class EngineConfig:
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Flat keyword arguments (model=, dtype=, block_size=, ...) to nested config."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "structured": StructuredOutputsConfig, "speculative": SpeculativeConfig, "parallel": ParallelConfig}
+                 "structured": StructuredOutputsConfig, "speculative": SpeculativeConfig, "parallel": ParallelConfig,
+                 "lora": LoRAConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
             for name, klass in parts.items():
@@ -242,6 +262,15 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.model.load_format!r}")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.model.max_model_len}")
+        lo = self.lora
+        for name, value in (("max_loras", lo.max_loras), ("max_lora_rank", lo.max_lora_rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(lo.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in lo.lora_modules.items()):
+            raise ValueError(f"lora_modules must map adapter names to folders, got {lo.lora_modules!r}")
+        if lo.enabled and tp > 1:
+            raise ValueError("LoRA adapters run in one process: not with tensor_parallel_size > 1")
         # What the device cannot run, refused before any kernel is built or weight loaded;
         # and the device's defaults.
         check_config(self)

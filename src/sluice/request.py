@@ -43,7 +43,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, arrival_time: float | None = None,
                  cache_salt: str | None = None, share_key: str | None = None,
-                 session_id: str | None = None, tenant: str = "", priority: int = 0):
+                 session_id: str | None = None, tenant: str = "", priority: int = 0, lora=None):
         self.request_id = request_id
         # Scheduling (core/sessions.py): the agent program this call belongs to, the
         # tenant it is served for (fair shares; also the namespace of its session id), and
@@ -56,6 +56,9 @@ class Request:
         # Prefix caching: blocks are only shared between requests with the same salt;
         # share_key (the parent id of n > 1 samples) lets siblings share with caching off.
         self.cache_salt = cache_salt
+        # The LoRA adapter it runs with (lora/adapters.py LoRAAdapter), None: the base model.
+        # Its prefix-cache blocks are the adapter's own.
+        self.lora = lora
         self.share_key = share_key
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.prompt_token_ids = list(prompt_token_ids)

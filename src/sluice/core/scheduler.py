@@ -93,6 +93,8 @@ class ScheduledRequest:
     # Every layout group's block table, where sliding-window layers have groups of their
     # own (core/kv_layout.py); None with one group (block_ids is then all of it).
     group_block_ids: list[list[int]] | None = None
+    # Its LoRA adapter (lora/adapters.py LoRAAdapter), None: the base model.
+    lora: object | None = None
 
 
 @dataclass
@@ -154,7 +156,7 @@ class Scheduler:
         return self.sessions.release((tenant, session_id))
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, clock=time.monotonic,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, max_loras: int | None = None):
         if config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens is unset: EngineConfig.validate() picks the device's default")
         self.config = config
@@ -176,6 +178,9 @@ class Scheduler:
         self.last_budget = config.max_num_batched_tokens
         # Speculative decoding (spec/): who verifies drafts each step; None: off.
         self.spec = speculator
+        # LoRA adapters (lora/): the most distinct adapters running at once (their resident
+        # slots); None: no adapters served.
+        self.max_loras = max_loras
 
     def observe_step(self, plan: "StepPlan", seconds: float) -> None:
         """The engine's measured wall time of a step (for the latency target)."""
@@ -209,13 +214,22 @@ class Scheduler:
         s = req.session
         return s is not None and s.num_pinned > 0 and self.kv.resends(req, s.history_blocks, s.history_hash)
 
-    def _next_waiting(self, now: float) -> Request:
-        """The waiting request the policy admits next."""
+    def _next_waiting(self, now: float) -> Request | None:
+        """The waiting request the policy admits next (None: none may enter now)."""
         policy = self.config.policy
+        waiting = self.waiting
+        if self.max_loras is not None:
+            # A request whose adapter is not running waits while max_loras others run; the
+            # requests behind it that fit go ahead (vLLM's scheduler skips it the same way).
+            running = {r.lora.uid for r in self.running if r.lora is not None}
+            if len(running) >= self.max_loras:
+                waiting = [r for r in waiting if r.lora is None or r.lora.uid in running]
+                if not waiting:
+                    return None
         if policy == "fcfs":
-            return self.waiting[0]
+            return waiting[0]
         if policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+            return min(waiting, key=lambda r: (r.priority, r.arrival_time))
         if policy == "program":
             starve = self.config.starvation_s
 
@@ -224,12 +238,12 @@ class Scheduler:
                     return (0, 0, r.arrival_time)  # starved: ahead of the rest, oldest first
                 return (1, not self._is_warm(r), self._service(r), r.arrival_time)
             door_open = self._door_open(now)
-            inside = [r for r in self.waiting if door_open(r)]
+            inside = [r for r in waiting if door_open(r)]
             return min(inside, key=key) if inside else None
         # fair: the lowest-counter tenant's earliest request (waiting keeps arrival order,
         # preempted requests at the front).
-        tenant = min({r.tenant for r in self.waiting}, key=lambda t: (self.tenants.counter(t), t))
-        return next(r for r in self.waiting if r.tenant == tenant)
+        tenant = min({r.tenant for r in waiting}, key=lambda t: (self.tenants.counter(t), t))
+        return next(r for r in waiting if r.tenant == tenant)
 
     def _door_open(self, now: float):
         """`program`'s door: a new program (a session's first call, never admitted yet)
@@ -441,6 +455,7 @@ class Scheduler:
             draft_token_ids=draft or [],
             pending_input=pending,
             group_block_ids=groups,
+            lora=req.lora,
         )
 
     # -- asynchronous scheduling ----------------------------------------------

@@ -157,7 +157,16 @@ class LLMEngine:
         self.runner.tp = self.tp
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching, windows=self.runner.layout.windows)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
+        # LoRA adapters (lora/): their slots on the model's layers, and those named at start.
+        self.lora = None
+        if config.lora.enabled:
+            from sluice.lora.slots import LoRAManager
+            self.lora = LoRAManager(shard.model, self.backend, config.lora.max_loras, config.lora.max_lora_rank)
+            for name, path in config.lora.lora_modules.items():
+                self.lora.add(self.lora.read(name, path))
+            self.runner.lora = self.lora
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculator=self._speculator(),
+                                   max_loras=config.lora.max_loras if self.lora is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.timings = StepTimings(runner=self.runner.timings)
         # Weight updates (update_weights): the version responses report; sleep(): the KV
@@ -188,7 +197,8 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    session_id: str | None = None, tenant: str | None = None, priority: int = 0) -> list[int]:
+                    session_id: str | None = None, tenant: str | None = None, priority: int = 0,
+                    lora: str | None = None) -> list[int]:
         """Queue a request (n samples of it). Raises ValueError if it can never run.
         Returns the prompt's token ids. Requests share cached prefix blocks only with
         requests of the same cache_salt (one per tenant, say).
@@ -197,11 +207,13 @@ class LLMEngine:
         call for the session's next one (core/sessions.py). Sessions are namespaced by
         tenant: the same id under another tenant is another session. tenant: who the
         request is served for (the `fair` policy's unit; default one shared tenant).
-        priority: lower first under the `priority` policy (an integer >= 0)."""
+        priority: lower first under the `priority` policy (an integer >= 0). lora: the name
+        of a loaded LoRA adapter to run it with (None: the base model)."""
         params = params or SamplingParams()
         if self.asleep:
             raise EngineAsleepError("the engine is asleep (its KV cache is freed); wake_up() first")
         check_scheduling_fields(session_id, tenant, priority)
+        adapter = self.lora_adapter(lora)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.outputs.parents:
@@ -230,7 +242,8 @@ class LLMEngine:
             children.append(Request(child_id, ids, child_params, self.tokenizer.eos_token_ids,
                                     max_tokens, arrival_time, cache_salt=cache_salt,
                                     share_key=request_id if params.n > 1 else None,
-                                    session_id=session_id, tenant=tenant or "", priority=priority))
+                                    session_id=session_id, tenant=tenant or "", priority=priority,
+                                    lora=adapter))
             if grammar is not None:
                 own = grammar if i == 0 else grammar.copy()
                 if self.reasoning is not None and not self.reasoning.ended_in_prompt(ids):
@@ -242,6 +255,42 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
         return ids
+
+    # -- LoRA adapters ----------------------------------------------------------
+    def lora_adapter(self, name: str | None):
+        """The loaded adapter of that name (None: the base model); ValueError if unknown."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise ValueError(f"lora must be an adapter's name, got {type(name).__name__}")
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r} asked for, but this engine serves none "
+                             "(start it with lora_modules or enable_lora)")
+        return self.lora.get(name)
+
+    def lora_names(self) -> dict[str, str]:
+        """The loaded adapters: name -> the folder it was read from."""
+        return {} if self.lora is None else {n: a.path for n, a in self.lora.adapters.items()}
+
+    def load_lora(self, adapter) -> None:
+        """Serve an adapter read by read_lora (ValueError if its name is taken)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+        self.lora.add(adapter)
+
+    def read_lora(self, name: str, path: str):
+        """An adapter folder read and checked against this model (touches no engine state,
+        so the server runs it off the engine thread)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+        return self.lora.read(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter: new requests cannot name it, those running finish with
+        it. ValueError if no adapter has that name."""
+        if self.lora is None or name not in self.lora.adapters:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        self.lora.remove(name)
 
     def _check_vocab(self, params: SamplingParams) -> None:
         """The fields whose bound is this model's vocabulary (a token id past it would

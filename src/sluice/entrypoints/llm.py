@@ -24,16 +24,18 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, session_id: str | None = None,
-                 priority: int = 0, tenant: str | None = None) -> list[RequestOutput]:
+                 priority: int = 0, tenant: str | None = None,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """One output per prompt, in prompt order. A prompt is a string or a list of token ids.
         session_id, priority, tenant: the scheduling fields of every prompt of this call
         (LLMEngine.add_request); with a session_id, the next call of the same session finds
-        this call's prompt and output still cached."""
+        this call's prompt and output still cached. lora: a loaded LoRA adapter's name for
+        every prompt, or one per prompt (None: the base model), mixed in one batch."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
-        return self._run(prompts, sampling_params, use_tqdm, session_id=session_id, priority=priority,
+        return self._run(prompts, sampling_params, use_tqdm, lora, session_id=session_id, priority=priority,
                          tenant=tenant)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -41,7 +43,8 @@ class LLM:
              use_tqdm: bool | None = None, session_id: str | None = None,
              priority: int = 0, tenant: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate the reply.
         continue_final_message: continue the last (assistant) message instead of starting a
         new turn (add_generation_prompt=False with it); chat_template_kwargs: extra template
@@ -51,8 +54,16 @@ class LLM:
                                               continue_final_message=continue_final_message,
                                               chat_template_kwargs=chat_template_kwargs)
                    for conv in conversations]
-        return self._run(prompts, sampling_params, use_tqdm, session_id=session_id, priority=priority,
+        return self._run(prompts, sampling_params, use_tqdm, lora, session_id=session_id, priority=priority,
                          tenant=tenant)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in folder `path` as `name` (the engine must have been
+        built with enable_lora or lora_modules). ValueError naming what does not fit."""
+        self.engine.load_lora(self.engine.read_lora(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def update_weights(self, weights, weight_version: str | None = None) -> int:
         """Replace some or all of the model's weights: a dict (or pairs) of Hugging Face
@@ -81,7 +92,7 @@ class LLM:
         """Drop a session's pinned KV now; returns how many blocks it held (None: unknown)."""
         return self.engine.release_session(session_id, tenant)
 
-    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm, **scheduling) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm, lora=None, **scheduling) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, list):
@@ -90,11 +101,17 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params] * len(prompts)
+        if isinstance(lora, list):
+            if len(lora) != len(prompts):
+                raise ValueError(f"got {len(lora)} lora names for {len(prompts)} prompts")
+            loras = lora
+        else:
+            loras = [lora] * len(prompts)
         order: dict[str, int] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, (prompt, p, name) in enumerate(zip(prompts, params, loras)):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, **scheduling)
+                self.engine.add_request(rid, prompt, p, lora=name, **scheduling)
                 order[rid] = i
         except ValueError:
             for rid in order:

@@ -8,6 +8,9 @@ A row-parallel layer (tensor parallelism, distributed/parallel.py) holds a slice
 input features; `reduce` is the group whose all-reduce sums the ranks' partial outputs,
 and only rank 0 adds the bias, so that it is added once.
 
+`lora`, where adapters are served (lora/slots.py), adds each adapter's B @ (A @ x) to the
+rows of the step that use it, after the base product.
+
 Embedding's `method(ids)`, where set, reads the rows from the backend's own copy of the
 table (a GGUF's quantized blocks, shared with a tied LM head: quantization/gguf.py).
 
@@ -42,6 +45,7 @@ def weights_unallocated():
 class Linear(nn.Linear):
     method = None  # set by the backend; None: F.linear on the weight as loaded
     reduce = None  # row-parallel: the tensor-parallel group (TPGroup) to all-reduce over
+    lora = None    # with LoRA adapters served: its slots (lora/slots.py LoRALayer), called as lora(x, y)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         if not _unallocated:
@@ -56,6 +60,8 @@ class Linear(nn.Linear):
         if self.reduce is not None:
             self.reduce.all_reduce(y)
             y = y.to(x.dtype)  # the backend's method may give float32 partial sums
+        if self.lora is not None:
+            y = self.lora(x, y)
         return y
 
 

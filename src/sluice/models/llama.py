@@ -333,6 +333,10 @@ class LlamaForCausalLM(nn.Module):
         self.head = None
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fast_forward = None
+        # Set each step where LoRA adapters are served (lora/slots.py): the step's row groups
+        # when any row has an adapter, whose deltas the Linear layers add; the fused
+        # whole-step path (fast_forward) has no place for them and is skipped then.
+        self.lora_step = None
 
     @property
     def stackable(self) -> bool:
@@ -363,7 +367,7 @@ class LlamaForCausalLM(nn.Module):
         attention record (backends/base.py AttentionMetadata)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        if self.fast_forward is not None:
+        if self.fast_forward is not None and self.lora_step is None:
             h = self.fast_forward(x, cos, sin, meta, kv_caches)
             if h is not None:
                 return h

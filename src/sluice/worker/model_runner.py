@@ -116,6 +116,8 @@ class ModelRunner:
         self.sampler = Sampler(generator, *backend.sampler_ops())
         self.vocab_size = self.arch.vocab_size
         self.timings = RunnerTimings()
+        # LoRA adapters (lora/slots.py LoRAManager), set by the engine where they are served.
+        self.lora = None
         # structured_outputs rows: their token masks, filled while the forward pass runs.
         self.set_grammar_mask_width(grammar_mask_width)
 
@@ -274,6 +276,8 @@ class ModelRunner:
         # One sampling row per token due; an entry verifying d drafts has d + 1 of them.
         row_entries = [e for e in entries for _ in range(len(e.draft_token_ids) + 1)]
         offsets = [j for e in entries for j in range(len(e.draft_token_ids) + 1)]
+        if self.lora is not None:  # each adapter's rows, its weights resident
+            self.lora.prepare(plan.scheduled)
         grammar_rows = [i for i, e in enumerate(row_entries) if e.grammar is not None]
         # The constrained rows' masks are computed on a thread while the model runs.
         masks = self.masks.start([row_entries[i].grammar for i in grammar_rows]) if grammar_rows else None

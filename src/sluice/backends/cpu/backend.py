@@ -418,6 +418,15 @@ class CpuBackend(Backend):
             model.fix_rope_tables(max_positions or model.arch.max_position_embeddings,
                                   model.model.embed_tokens.weight.dtype)
 
+    def lora_weight(self, weight: torch.Tensor):
+        """On the kernels, the batch-invariant bf16/float32 kernel (a row's LoRA product the
+        same bits whatever else its adapter's group holds: deterministic mode); else
+        torch's matmul."""
+        k = self.model_kernels
+        if k is None:
+            return super().lora_weight(weight)
+        return kernel_weight(k, weight.to(self.dtype), None, True)
+
     # -- the KV cache -------------------------------------------------------------
     def kv_row_bytes(self, arch) -> int:
         if self.kv_cache_dtype != "int8":

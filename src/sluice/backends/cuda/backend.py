@@ -286,7 +286,8 @@ class CudaBackend(Backend):
         self._graphs = None
 
     def forward(self, model, input_ids, positions, meta: AttentionMetadata, kv_caches):
-        if self._graphs is not None and meta.extra.decode_only:
+        # A step with LoRA rows runs eagerly: the graphs hold no adapter's work.
+        if self._graphs is not None and meta.extra.decode_only and getattr(model, "lora_step", None) is None:
             out = self._graphs.run(input_ids, positions, meta)
             if out is not None:
                 return out
