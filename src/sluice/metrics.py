@@ -108,6 +108,15 @@ class Metrics:
         self.asleep = Gauge("sluice_engine_asleep", "1 while the KV cache is freed (POST /sleep)", labels, registry=r)
         self.weight_bytes = Gauge("sluice_weight_bytes", "Bytes of the weights in memory (packed and quantized "
                                   "forms included, each once; the KV cache apart)", labels, registry=r)
+        self.lora_loaded = Gauge("sluice_lora_adapters_loaded", "LoRA adapters served (in host memory)", labels,
+                                 registry=r)
+        self.lora_resident = Gauge("sluice_lora_adapters_resident", "LoRA adapters in a slot of the layers "
+                                   "(--max-loras at most)", labels, registry=r)
+        self.lora_running = Gauge("sluice_lora_requests_running", "Running requests with a LoRA adapter", labels,
+                                  registry=r)
+        self.lora_slot_loads = Counter("sluice_lora_slot_loads", "LoRA adapters copied into a slot (a step needed "
+                                       "one that was not resident)", labels, registry=r)
+        self._lora_loads_seen = 0
         self._weights_seen: tuple = ()
         self._weight_bytes_seen = None
         self.set_weights("0", 0, False)
@@ -177,6 +186,13 @@ class Metrics:
             self._grammar_seen = now
         if sched.spec is not None:
             self._observe_spec(sched.spec.stats)
+        lora = getattr(engine, "lora", None)
+        if lora is not None:
+            self.lora_loaded.labels(m).set(len(lora.adapters))
+            self.lora_resident.labels(m).set(lora.num_resident)
+            self.lora_running.labels(m).set(sum(r.lora is not None for r in sched.running))
+            self.lora_slot_loads.labels(m).inc(_delta(lora.loads, self._lora_loads_seen))
+            self._lora_loads_seen = lora.loads
         self.set_weights(engine.weight_version, engine.num_weight_updates, engine.asleep)
         if engine.weight_bytes != self._weight_bytes_seen:  # set at load, changed by nothing since
             self.weight_bytes.labels(m).set(engine.weight_bytes)

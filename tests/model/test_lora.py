@@ -199,7 +199,38 @@ def test_deterministic_mode_keeps_its_bits_with_adapters_mixed(adapters, kernel_
     alone = {(name, p): result(llm.generate([p], params, lora=name)[0]) for name in names for p in PROMPTS[1:]}
     prompts = [p for p in PROMPTS[1:] for _ in names]
     loras = [name for _ in PROMPTS[1:] for name in names]
-    mixed = llm.generate(prompts, params, lora=loras)
-    for p, name, out in zip(prompts, loras, mixed):
-        assert result(out) == alone[name, p], (name, p)
+    model = llm.engine.runner.model
+    stack = model.fast_forward
+    assert stack is not None and stack.lora is llm.engine.lora  # the decoder stack takes the adapters
+    for _ in range(2):  # the decoder stack, then the Python loop over the layers: the same bits
+        mixed = llm.generate(prompts, params, lora=loras)
+        for p, name, out in zip(prompts, loras, mixed):
+            assert result(out) == alone[name, p], (name, p, model.fast_forward is None)
+        model.fast_forward = None
+    model.fast_forward = stack
+    # A weight update rebuilds the stack; the adapters' slots go with it.
+    llm.load_weights(str(base))
+    assert model.fast_forward is not stack and model.fast_forward.lora is llm.engine.lora
+    assert result(llm.generate([PROMPTS[1]], params, lora="all")[0]) == alone["all", PROMPTS[1]]
     assert_all_blocks_free(llm)
+
+
+def test_gemma3_adapter_matches_peft_and_moe_experts_are_refused(tiny_checkpoint, tmp_path):
+    """Another architecture through the same checkpoint map (Gemma 3: GeGLU, QK-norm); an
+    adapter on a mixture of experts' experts is refused by name."""
+    base = tiny_checkpoint("gemma3")
+    make_adapter(base, tmp_path / "g", 1, r=8, lora_alpha=64, target_modules=ALL)
+    llm = LLM(model=str(base), dtype="float32", num_blocks=64, lora_modules={"g": str(tmp_path / "g")})
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    ref_tokens, ref_lps = hf_greedy(merged_reference(base, str(tmp_path / "g")), ids, 8)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5),
+                       lora="g")[0].outputs[0]
+    assert out.token_ids == ref_tokens
+    for got, ref in zip(out.logprobs, ref_lps):
+        assert max(abs(lp.logprob - float(ref[t])) for t, lp in got.items()) < 2e-4
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0].outputs[0].logprobs[0]
+    assert max(abs(lp.logprob - float(ref_lps[0][t])) for t, lp in plain.items()) > 0.1  # the adapter matters
+    moe = tiny_checkpoint("qwen3-moe")
+    make_adapter(moe, tmp_path / "m", 1, r=4, lora_alpha=8, target_modules=ALL)
+    with pytest.raises(ValueError, match=r"target module 'model\.layers\.0\.mlp\.experts' is not supported"):
+        LLM(model=str(moe), dtype="float32", num_blocks=16, lora_modules={"m": str(tmp_path / "m")})

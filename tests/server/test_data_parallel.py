@@ -57,8 +57,10 @@ def dp(tiny_checkpoint):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, logging_level="WARNING")
     path = str(tiny_checkpoint("llama"))
-    config = ServerConfig(served_model_name=MODEL, api_key="sekret", enable_weight_updates=True)
-    replicas = ReplicaSet(ray, 2, dict(model=path, dtype="float32", num_blocks=128), config, replica_cpus=1, threads=1)
+    config = ServerConfig(served_model_name=MODEL, api_key="sekret", enable_weight_updates=True,
+                          enable_lora_updates=True)
+    replicas = ReplicaSet(ray, 2, dict(model=path, dtype="float32", num_blocks=128, enable_lora=True), config,
+                          replica_cpus=1, threads=1)
     try:
         asyncio.run(replicas.start(timeout=300))
         policy = RouterPolicy(2, "cache_aware")
@@ -213,6 +215,21 @@ def test_weight_updates_reach_every_replica(dp, tmp_path):
     assert httpx.post(f"{router.url}/sleep", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
+def test_a_lora_adapter_loads_on_every_replica(dp, tmp_path_factory):
+    from tests.model.test_lora import ADAPTERS, make_adapter
+    router, replicas, _, path = dp
+    folder = tmp_path_factory.mktemp("dp-lora") / "all"  # kept for the restart test below
+    make_adapter(path, folder, 0, **ADAPTERS["all"])
+    r = httpx.post(f"{router.url}/v1/load_lora_adapter", headers=KEY, json={"lora_name": "a", "lora_path": str(folder)})
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    for url in replicas.urls:
+        assert "a" in {c["id"] for c in httpx.get(f"{url}/v1/models", headers=KEY).json()["data"]}
+    texts = {complete(url, DOC, n=6, model="a")["choices"][0]["text"] for url in replicas.urls}
+    assert len(texts) == 1 and texts != {complete(router.url, DOC, n=6)["choices"][0]["text"]}
+    bad = httpx.post(f"{router.url}/v1/load_lora_adapter", headers=KEY, json={"lora_name": "b", "lora_path": "/no"})
+    assert bad.status_code == 400
+
+
 def test_a_killed_replica_ends_its_requests_with_503_and_comes_back(dp):
     router, replicas, policy, _ = dp
     # A long stream and a non-streaming request on the same replica (one session).
@@ -258,6 +275,8 @@ def test_a_killed_replica_ends_its_requests_with_503_and_comes_back(dp):
     assert replicas.restarts[victim] == 1
     versions = httpx.get(f"{router.url}/v1/weights", headers=KEY).json()
     assert versions["weight_version"] == "v9", versions
+    # and the LoRA adapter loaded at run time.
+    assert "a" in {c["id"] for c in httpx.get(f"{replicas.urls[victim]}/v1/models", headers=KEY).json()["data"]}
     assert metric_value(router.url, "sluice_router_replica_restarts", f'replica="{victim}"') == 1
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice.lora.slots import output_blocks
 
 
 @pytest.fixture
@@ -335,3 +336,37 @@ def test_thread_count_does_not_change_bits(k):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_deltas_alone_and_in_a_batch(isa_kernels, dtype):
+    """lora.cpp: a row's delta is the same bits alone as among rows of its own and other
+    adapters, and it is B @ (A @ x) (float64 reference, the middle in the model dtype)."""
+    k = isa_kernels
+    g = torch.Generator().manual_seed(3)
+    kdim, n, cap = 96, 150, 32
+    at = torch.zeros(3, kdim, cap, dtype=dtype)
+    b = torch.zeros(3, n, cap, dtype=dtype)  # B [out, rank] per slot
+    ranks = torch.tensor([32, 8, 20], dtype=torch.int32)
+    for s, r in enumerate(ranks.tolist()):
+        at[s, :, :r] = torch.randn(kdim, r, generator=g).to(dtype)
+        b[s, :, :r] = (torch.randn(n, r, generator=g) * 0.1).to(dtype)
+    bt = torch.stack([output_blocks(b[s]) for s in range(3)])
+    x = torch.randn(13, kdim, generator=g).to(dtype)
+    y = torch.randn(13, n, generator=g).to(dtype)
+    row_slot = torch.tensor([0, 1, 2, 0, 0, 1, 2, 2, 2, 0, 1, -1, 0], dtype=torch.int32)
+    batch = y.clone()
+    k.lora_sgmv(batch, x, at, bt, ranks, row_slot)
+    for t in range(13):
+        alone = y[t:t + 1].clone()
+        k.lora_sgmv(alone, x[t:t + 1].contiguous(), at, bt, ranks, row_slot[t:t + 1].contiguous())
+        assert torch.equal(alone[0], batch[t]), t
+        s = int(row_slot[t])
+        if s < 0:
+            assert torch.equal(batch[t], y[t])
+            continue
+        r = int(ranks[s])
+        mid = (at[s, :, :r].double().t() @ x[t].double()).to(dtype).double()
+        want = y[t].double() + b[s, :, :r].double() @ mid
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(batch[t].double(), want, rtol=tol, atol=tol * want.abs().max().item()), t

@@ -15,6 +15,7 @@ import torch
 from sluice.quantization.int8 import quantize_per_channel
 from sluice.quantization.w4a8 import quantize_4bit
 from sluice.backends.cpu import x86 as kernels
+from sluice.lora.slots import output_blocks
 from tests.conftest import LOWER_ISAS as LOWER
 
 pytestmark = pytest.mark.skipif(not LOWER, reason="needs a CPU that runs the AVX-512 build and an AVX2 one")
@@ -118,3 +119,23 @@ def test_argmax_and_greedy_head(builds):
         approx7 = k.head_w8a7(x, k.head_w8a7_pack(q), scale.float(), vocab)
         return k.argmax_rows(logits), approx, k.greedy_head(approx, x, k.bi_pack_weight(w), 16), approx7
     same(builds, head)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_deltas(builds, dtype):
+    """lora.cpp: ranks 16-48 in a stack of 48, one slot that does not adapt the layer, an
+    output count that is no multiple of 16 (the scalar tail)."""
+    g = torch.Generator().manual_seed(7)
+    m, kdim, n, rank = 11, 70, 83, 48
+    at = torch.randn(4, kdim, rank, generator=g).to(dtype)
+    bt = torch.stack([output_blocks(torch.randn(n, rank, generator=g)) for _ in range(4)]).to(dtype)
+    ranks = torch.tensor([48, 16, 0, 33], dtype=torch.int32)
+    x = torch.randn(m, kdim, generator=g).to(dtype)
+    y = torch.randn(m, n, generator=g).to(dtype)
+    row_slot = torch.tensor([0, 1, -1, 3, 3, 0, 2, 1, 0, 0, 3], dtype=torch.int32)
+
+    def run(k):
+        out = y.clone()
+        k.lora_sgmv(out, x, at, bt, ranks, row_slot)
+        return out
+    same(builds, run)

@@ -13,7 +13,7 @@ loaded; a mode the family cannot run is refused there in one line. A Backend own
 - each step's attention record (`attention_metadata`, from the flat batch's host lists);
 - the sampler's device ops (`sampler_ops`) and the greedy head (`greedy_tokens`);
 - on a GPU, graph capture (`capture`, `run_graph`);
-- a LoRA adapter's resident weights (`lora_weight`).
+- the LoRA deltas' kernel (`lora_kernel`).
 
 Adding a device family is one folder under backends/ with its Backend subclass and its
 kernels, and one entry in select.py's FAMILIES; models/, the runner and the engine do not
@@ -214,19 +214,11 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for the device's queued work (timings); nothing where work is synchronous."""
 
-    def lora_weight(self, weight: torch.Tensor):
-        """A LoRA adapter's A or B (float32 [out, in]) as a callable x -> x @ weight^T in the
-        model's dtype, for a resident slot (lora/slots.py): here torch's matmul."""
-        return TorchLinear(weight.to(device=self.device, dtype=self.dtype).contiguous())
-
-
-@dataclass
-class TorchLinear:
-    """x @ weight^T by torch (a LoRA slot's product where no kernel of the backend runs it)."""
-    weight: torch.Tensor
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
+    def lora_kernel(self):
+        """The op that adds a step's LoRA deltas in one call per layer, each row through its
+        own adapter (lora/slots.py; `lora_sgmv(y, x, at, bt, ranks, row_slot)`), or None:
+        torch's matmuls per adapter's group of rows."""
+        return None
 
 
 def weight_bytes(model) -> int:

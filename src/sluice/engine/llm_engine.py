@@ -414,6 +414,8 @@ class LLMEngine:
             self.tp.send(("update",))
             self.tp.group.broadcast_tensors(named)
         self.shard.apply_weights(named)
+        if self.lora is not None:  # the backend rebuilt its whole-step path: give it the adapters' slots again
+            self.lora.attach_fast()
         self.reset_prefix_cache()
         self.num_weight_updates += 1
         self.weight_version = weight_version or str(self.num_weight_updates)

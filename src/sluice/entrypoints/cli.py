@@ -4,6 +4,7 @@ streaming), `sluice bench serve` (load generator for any OpenAI-compatible serve
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import uuid
@@ -110,6 +111,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same "
                         "whatever else shares its batch (docs/determinism.md)")
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                    help="PEFT LoRA adapter folders to serve, each picked by a request's `model` NAME (also "
+                         "vLLM's JSON form '{\"name\": ..., \"path\": ...}'); listed by /v1/models")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters even with no --lora-modules (for /v1/load_lora_adapter)")
+    lo.add_argument("--max-loras", type=int, default=4,
+                    help="adapters resident at once, also the most distinct adapters in one batch (default 4); "
+                         "the others wait in host memory")
+    lo.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank taken (default 64)")
 
 
 def engine_kwargs(args) -> dict:
@@ -130,7 +141,32 @@ def engine_kwargs(args) -> dict:
                 speculative_method=None if args.speculative_method == "off" else args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_gate=args.speculative_gate, speculative_min_match=args.speculative_min_match,
                 suffix_cache_tokens=args.suffix_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
-                tenant_weights=parse_name_weights(args.tenant_weight, "--tenant-weight"))
+                tenant_weights=parse_name_weights(args.tenant_weight, "--tenant-weight"),
+                enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
+                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """--lora-modules items (NAME=PATH, or vLLM's JSON object with name and path) as a dict;
+    ValueError naming a bad or repeated item."""
+    out: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {item!r} is not a JSON object with \"name\" and \"path\"") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules: {item!r} needs a name and a path")
+        if name in out:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -234,7 +270,8 @@ def cmd_serve(args) -> int:
     kwargs["tenant_weights"] = {**{t.name: t.weight for t in tenants}, **kwargs["tenant_weights"]}
     config = ServerConfig(host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
                           tenants=tenants, limits=limits, max_request_bytes=args.max_request_bytes,
-                          shutdown_grace_s=args.shutdown_grace, enable_weight_updates=args.enable_weight_updates)
+                          shutdown_grace_s=args.shutdown_grace, enable_weight_updates=args.enable_weight_updates,
+                          enable_lora_updates=args.enable_lora_updates)
     log_level = "info" if args.log_level == "WARNING" else args.log_level
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
@@ -277,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-weight-updates", action="store_true",
                      help="turn on POST /v1/weights/update (from a checkpoint path or a trainer's torch.distributed "
                           "group), /v1/weights/init_group, /sleep and /wake_up, for training loops; with --api-key "
+                          "they take that key only (default: off, 404)")
+    srv.add_argument("--enable-lora-updates", action="store_true",
+                     help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's); with --api-key "
                           "they take that key only (default: off, 404)")
     srv.add_argument("--shutdown-grace", type=float, default=2.0,
                      help="on SIGTERM, seconds open requests get to finish before they end with an error (default 2)")

@@ -333,9 +333,9 @@ class LlamaForCausalLM(nn.Module):
         self.head = None
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fast_forward = None
-        # Set each step where LoRA adapters are served (lora/slots.py): the step's row groups
-        # when any row has an adapter, whose deltas the Linear layers add; the fused
-        # whole-step path (fast_forward) has no place for them and is skipped then.
+        # Set each step where LoRA adapters are served (lora/slots.py): the step's rows by
+        # adapter when any row has one, whose deltas the Linear layers add (a fast_forward
+        # adds them itself, or returns None for the step).
         self.lora_step = None
 
     @property
@@ -367,7 +367,7 @@ class LlamaForCausalLM(nn.Module):
         attention record (backends/base.py AttentionMetadata)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        if self.fast_forward is not None and self.lora_step is None:
+        if self.fast_forward is not None:
             h = self.fast_forward(x, cos, sin, meta, kv_caches)
             if h is not None:
                 return h

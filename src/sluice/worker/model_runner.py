@@ -277,7 +277,7 @@ class ModelRunner:
         row_entries = [e for e in entries for _ in range(len(e.draft_token_ids) + 1)]
         offsets = [j for e in entries for j in range(len(e.draft_token_ids) + 1)]
         if self.lora is not None:  # each adapter's rows, its weights resident
-            self.lora.prepare(plan.scheduled)
+            self.lora.prepare(plan.scheduled, input_ids.shape[0])
         grammar_rows = [i for i, e in enumerate(row_entries) if e.grammar is not None]
         # The constrained rows' masks are computed on a thread while the model runs.
         masks = self.masks.start([row_entries[i].grammar for i in grammar_rows]) if grammar_rows else None

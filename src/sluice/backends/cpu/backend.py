@@ -153,12 +153,25 @@ class StackForward:
 
     def __init__(self, stack):
         self.stack = stack
+        # Where LoRA adapters are served: their manager (lora/slots.py), which gives the
+        # stack its layers' slots; a step with adapter rows then passes each row's slot.
+        self.lora = None
+
+    def attach_lora(self, manager) -> None:
+        self.lora = manager
+
+    def set_lora(self, layer: int, which: int, at, bt, ranks) -> None:
+        """Layer `layer`'s linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) gets LoRA slots."""
+        self.stack.set_lora(layer, which, at, bt, ranks)
 
     def __call__(self, x, cos, sin, meta: AttentionMetadata, kv_caches):
         if meta.flat_kernel is None:
             return None
+        step = self.lora.step if self.lora is not None else None
+        if step is not None and step.row_slot is None:
+            return None  # rows by torch's path: the Python loop adds them
         return self.stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                  meta.query_start_loc, meta.seq_lens)
+                                  meta.query_start_loc, meta.seq_lens, None if step is None else step.row_slot)
 
 
 def _linears(model):
@@ -418,14 +431,11 @@ class CpuBackend(Backend):
             model.fix_rope_tables(max_positions or model.arch.max_position_embeddings,
                                   model.model.embed_tokens.weight.dtype)
 
-    def lora_weight(self, weight: torch.Tensor):
-        """On the kernels, the batch-invariant bf16/float32 kernel (a row's LoRA product the
-        same bits whatever else its adapter's group holds: deterministic mode); else
-        torch's matmul."""
+    def lora_kernel(self):
+        """Where the kernels run the model: lora.cpp's one call per layer for every adapter
+        of the step (each row alone: batch-invariant, the same bits on every build)."""
         k = self.model_kernels
-        if k is None:
-            return super().lora_weight(weight)
-        return kernel_weight(k, weight.to(self.dtype), None, True)
+        return None if k is None else k.lora_sgmv
 
     # -- the KV cache -------------------------------------------------------------
     def kv_row_bytes(self, arch) -> int:

@@ -29,6 +29,7 @@ from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFai
                                         ShuttingDownError)
 from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai.errors import APIError, error_json
+from sluice.entrypoints.openai.lora_routes import add_lora_routes
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ModelCard, ModelList, TokenizeRequest)
 from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing, input_items_page
@@ -183,6 +184,8 @@ class ServerConfig:
     shutdown_grace_s: float = 2.0
     # POST /v1/weights/*, /sleep and /wake_up (entrypoints/openai/weights.py); off: 404.
     enable_weight_updates: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py); off: 404.
+    enable_lora_updates: bool = False
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -230,9 +233,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     app.add_middleware(GuardMiddleware, max_bytes=config.max_request_bytes)
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != config.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{config.served_model_name!r}", param="model", code="model_not_found")
+        """The base model's name, a loaded LoRA adapter's, or none; else 404."""
+        if model is None or model == config.served_model_name or model in engine.engine.lora_names():
+            return
+        adapters = sorted(engine.engine.lora_names())
+        also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{config.served_model_name!r}{also}", param="model", code="model_not_found")
 
     def respond(result):
         if hasattr(result, "__aiter__"):
@@ -315,6 +322,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         return {"id": session_id, "object": "session", "deleted": True, "released_blocks": released}
 
     add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, keys, metrics)
+    add_lora_routes(app, engine, config.enable_lora_updates, config.served_model_name, config.api_key, keys)
 
     # Routes outside /v1 that still need a key with --api-key (the middleware guards /v1):
     # vLLM's tokenizer routes and the admin action of resetting the prefix cache.
@@ -347,18 +355,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         check_key(request)
         return {"reset_blocks": await engine.reset_prefix_cache()}
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=config.served_model_name, max_model_len=engine.engine.max_model_len)
+    def model_cards() -> dict[str, ModelCard]:
+        """The base model and each LoRA adapter (vLLM's cards: an adapter's root is its
+        folder and its parent the base model)."""
+        e = engine.engine
+        cards = {config.served_model_name: ModelCard(id=config.served_model_name, root=str(e.model_path),
+                                                     max_model_len=e.max_model_len)}
+        for name, path in e.lora_names().items():
+            cards[name] = ModelCard(id=name, root=path, parent=config.served_model_name, max_model_len=e.max_model_len)
+        return cards
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[model_card()]).model_dump()
+        return ModelList(data=list(model_cards().values())).model_dump()
 
     # OpenAI's models.retrieve; `path`, since model names often hold a slash (org/name).
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
-        return model_card().model_dump()
+        card = model_cards().get(model_id)
+        if card is None:  # unloaded between the two looks
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return card.model_dump()
 
     @app.get("/health")
     async def health():

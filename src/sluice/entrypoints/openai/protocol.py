@@ -324,6 +324,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "sluice"
+    # vLLM's: what the model was loaded from, and for a LoRA adapter the base model's id.
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -315,7 +315,7 @@ class ResponsesServing:
         params = sampling_params(req, req.max_output_tokens, None, None, spec)
         await s._compile(spec, spec_field)
         prompt_ids = await s._off_loop(s._render_chat, messages, tools)
-        sched = {**scheduling(req, tenant), "session_id": session_id}
+        sched = {**scheduling(req, tenant, s.model_name), "session_id": session_id}
         started = await s._start(rid, [prompt_ids], params, salt, deadline, req.stream, sched)
         if req.stream:
             return self._stream(rid, req, started, tools, conversation, session_id, tenant)
@@ -326,7 +326,7 @@ class ResponsesServing:
         output = output_items(content, calls, reasoning)
         incomplete = "max_output_tokens" if c.finish_reason == "length" else None
         thought = reasoning_tokens(c.token_ids, s.reasoning.end_id) if reasoning else 0
-        resp = response_object(rid, req, s.model_name, "incomplete" if incomplete else "completed", output,
+        resp = response_object(rid, req, req.model or s.model_name, "incomplete" if incomplete else "completed", output,
                                response_usage(len(started.prompt_ids[0]), len(c.token_ids),
                                               final.num_cached_tokens, thought), incomplete)
         self._keep(req, tenant, resp, conversation, session_id)
@@ -341,7 +341,7 @@ class ResponsesServing:
         from sluice.entrypoints.openai.serving import _ENGINE_ERRORS, _merge, api_error
         s = self.serving
         ev = Events()
-        model = s.model_name
+        model = req.model or s.model_name
         yield ev("response.created", response=response_object(rid, req, model, "in_progress", [], None))
         yield ev("response.in_progress", response=response_object(rid, req, model, "in_progress", [], None))
         parser = StreamParser(tools.tools) if tools.active else None

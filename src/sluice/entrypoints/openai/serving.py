@@ -345,7 +345,7 @@ class OpenAIServing:
         cid = random_id("cmpl")
         prompt_ids = [self._truncate(req, ids) for ids in await self._tokenize_prompts(prompts)]
         started = await self._start(cid, prompt_ids, params, salt, deadline, req.stream,
-                                    scheduling(req, tenant))
+                                    scheduling(req, tenant, self.model_name))
         if req.stream:
             return self._completion_stream(cid, req, started, params.n)
         finals = await self._finals(started)
@@ -368,7 +368,7 @@ class OpenAIServing:
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_lps,
                     **(dict(prompt_token_ids=list(ids), token_ids=list(c.token_ids)) if req.return_token_ids else {})))
         prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
-        return CompletionResponse(id=cid, model=self.model_name, choices=choices,
+        return CompletionResponse(id=cid, model=req.model or self.model_name, choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens,
                                               sum(f.num_cached_tokens for f in finals)),
                                   weight_version=finals[-1].weight_version)
@@ -423,14 +423,14 @@ class OpenAIServing:
                             and (c.finished or _complete(out.prompt_logprobs)):
                         p.sent_prompt_logprobs = True
                         plp = prompt_logprobs_json(out.prompt_logprobs, started.prompt_ids[pi], req.prompt_logprobs)
-                    chunk = CompletionResponse(id=cid, model=self.model_name, choices=[CompletionChoice(
+                    chunk = CompletionResponse(id=cid, model=req.model or self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason, prompt_logprobs=plp, **ids)],
                         weight_version=out.weight_version, usage=so_far)
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in started.prompt_ids)
-                yield sse(CompletionResponse(id=cid, model=self.model_name, choices=[],
+                yield sse(CompletionResponse(id=cid, model=req.model or self.model_name, choices=[],
                                              usage=usage(prompt_tokens, completion_tokens, sum(cached.values()))))
             yield DONE
         except _ENGINE_ERRORS as e:
@@ -523,7 +523,7 @@ class OpenAIServing:
             self._render_chat, messages, tools, req.add_generation_prompt, req.continue_final_message,
             req.chat_template_kwargs))
         cid = random_id("chatcmpl")
-        started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream, scheduling(req, tenant))
+        started = await self._start(cid, [prompt_ids], params, salt, deadline, req.stream, scheduling(req, tenant, self.model_name))
         if req.stream:
             return self._chat_stream(cid, req, started, tools)
         (final,) = await self._finals(started)
@@ -544,7 +544,7 @@ class OpenAIServing:
         prompt_tokens = len(started.prompt_ids[0])
         prompt_lps = (prompt_logprobs_json(final.prompt_logprobs, started.prompt_ids[0], req.prompt_logprobs)
                       if req.prompt_logprobs is not None else None)
-        return ChatCompletionResponse(id=cid, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=cid, model=req.model or self.model_name, choices=choices,
                                       usage=usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
                                       prompt_logprobs=prompt_lps, weight_version=final.weight_version,
                                       prompt_token_ids=list(started.prompt_ids[0]) if req.return_token_ids else None)
@@ -592,7 +592,7 @@ class OpenAIServing:
 
         def emit(out: RequestOutput, choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None,
                  prompt_logprobs=None) -> str:
-            return sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[choice],
+            return sse(ChatCompletionChunk(id=cid, model=req.model or self.model_name, choices=[choice],
                                            weight_version=out.weight_version, prompt_token_ids=prompt_token_ids,
                                            prompt_logprobs=prompt_logprobs, usage=so_far))
         try:
@@ -665,7 +665,7 @@ class OpenAIServing:
                             index=c.index, delta=DeltaMessage(), finish_reason=finish))
             if req.stream_options and req.stream_options.include_usage:
                 prompt_tokens = len(started.prompt_ids[0])
-                yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[],
+                yield sse(ChatCompletionChunk(id=cid, model=req.model or self.model_name, choices=[],
                                               usage=usage(prompt_tokens, completion_tokens, cached)))
             yield DONE
         except _ENGINE_ERRORS as e:
@@ -732,9 +732,11 @@ class ChatTools:
         return tool_calls.StreamParser(self.tools)
 
 
-def scheduling(req, tenant: str) -> dict:
-    """A request's scheduling fields for LLMEngine.add_request."""
-    return {"session_id": req.session_id, "tenant": tenant, "priority": req.priority}
+def scheduling(req, tenant: str, base_model: str) -> dict:
+    """A request's scheduling fields for LLMEngine.add_request. A `model` other than the base
+    model's name is a LoRA adapter's (the route has checked that it is one)."""
+    lora = req.model if req.model is not None and req.model != base_model else None
+    return {"session_id": req.session_id, "tenant": tenant, "priority": req.priority, "lora": lora}
 
 
 def normalize_prompts(prompt) -> list:

@@ -60,16 +60,14 @@ class CloseGroupRequest(BaseModel):
     group_name: str
 
 
-def add_weight_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, admin_key: str | None,
-                      keys: dict[bytes, tuple[str, str]], metrics=None) -> None:
-    groups = WeightGroups()
-
+def admin_guard(enabled: bool, flag: str, code: str, what: str, admin_key: str | None,
+                keys: dict[bytes, tuple[str, str]]):
+    """The check of routes that change what every tenant is served (weights, sleep, LoRA
+    adapters): on only with their flag (else 404 naming it); with keys, only for the
+    server's own --api-key (401 without a valid key, 403 for a tenant's)."""
     def admin(raw: Request) -> None:
-        """Weight and sleep routes: on only with --enable-weight-updates; with keys, only
-        for the server's --api-key."""
         if not enabled:
-            raise APIError(404, f"{raw.url.path} is off on this server: start it with --enable-weight-updates",
-                           code="weight_updates_disabled")
+            raise APIError(404, f"{raw.url.path} is off on this server: start it with {flag}", code=code)
         if not keys:
             return
         header = raw.headers.get("authorization", "")
@@ -77,10 +75,18 @@ def add_weight_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, admin_ke
         if admin_key is not None and hmac.compare_digest(token, admin_key.encode()):
             return
         if not any(hmac.compare_digest(token, k) for k in keys):
-            raise APIError(401, "missing or invalid API key: weight and sleep routes need the server's --api-key",
+            raise APIError(401, f"missing or invalid API key: {what} need the server's --api-key",
                            code="invalid_api_key")
-        raise APIError(403, "weight and sleep routes need the server's --api-key; a tenant's key cannot change "
+        raise APIError(403, f"{what} need the server's --api-key; a tenant's key cannot change "
                             "the model for every tenant", code="forbidden")
+    return admin
+
+
+def add_weight_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, admin_key: str | None,
+                      keys: dict[bytes, tuple[str, str]], metrics=None) -> None:
+    groups = WeightGroups()
+    admin = admin_guard(enabled, "--enable-weight-updates", "weight_updates_disabled", "weight and sleep routes",
+                        admin_key, keys)
 
     def observed(result):
         if metrics is not None:

@@ -14,7 +14,8 @@ it unchanged; it adds:
 - /metrics: every replica's series with a `replica` label, and the router's own
   (sluice_router_*: requests per replica and decision, in flight, replicas up, restarts);
 - the weight and sleep routes sent to every replica (a trainer's group: each replica joins
-  as a rank of its own, `rank_offset` + its place); DELETE /v1/sessions to every replica;
+  as a rank of its own, `rank_offset` + its place), and LoRA adapters loaded or unloaded
+  at run time (loaded again on a replica Ray restarts); DELETE /v1/sessions to every replica;
   stored responses (`previous_response_id`, GET/DELETE /v1/responses/{id}) to the replica
   that stored them.
 """
@@ -32,7 +33,7 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -137,12 +138,17 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     app.add_middleware(GuardMiddleware, max_bytes=config.max_request_bytes)
     groups: dict[str, list[int]] = {}          # trainer group -> its replicas
     last = {"update": None}                    # the last update's body, if a path one (replayable)
+    loras: dict[str, dict] = {}                # LoRA adapters loaded at run time: name -> load body
     admin_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
     async def on_restart(i: int, url: str) -> None:
         """A restarted replica lost its cache, pins and updated weights: re-apply the last
         update if it came from a path, else keep it out of rotation until the next one."""
         policy.forget(i)
+        for body in list(loras.values()):  # the adapters loaded at run time, loaded again
+            r = await client.post(f"{url}/v1/load_lora_adapter", json=body, headers=admin_headers)
+            if r.status_code != 200:
+                replicas.stale[i] = True
         update = last["update"]
         if update is None:
             return
@@ -362,6 +368,28 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         async def everywhere(raw: Request, path=path):
             return await fan_out(raw, "POST", path, {i: None for i in up()})
         app.add_api_route(path, everywhere, methods=["POST"])
+
+    async def lora_everywhere(raw: Request, path: str, load: bool):
+        """LoRA adapters load and unload on every replica, and are loaded again on a replica
+        that restarts."""
+        body = await json_body(raw)
+        result = await fan_out(raw, "POST", path, {i: body for i in up()})
+        if not isinstance(result, dict):
+            return result
+        if load:
+            loras[str(body.get("lora_name"))] = body
+        else:
+            loras.pop(str(body.get("lora_name")), None)
+        verb = "added" if load else "removed"
+        return PlainTextResponse(f"Success: LoRA adapter '{body.get('lora_name')}' {verb} successfully.")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(raw: Request):
+        return await lora_everywhere(raw, "/v1/load_lora_adapter", True)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(raw: Request):
+        return await lora_everywhere(raw, "/v1/unload_lora_adapter", False)
 
     @app.get("/is_sleeping")
     async def is_sleeping(raw: Request):

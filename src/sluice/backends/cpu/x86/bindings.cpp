@@ -32,12 +32,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bi_add_rms_norm", &sluice::add_rms_norm, "(RMSNorm(x + residual), x + residual), batch-invariant");
   m.def("bi_silu_and_mul", &sluice::silu_and_mul, "batch-invariant silu(gate) * up");
 
+  // lora.cpp
+  m.def("lora_sgmv", &sluice::lora_sgmv,
+        "y[t] += B[s] @ round(A[s] @ x[t]) for each row t with slot s = row_slot[t] >= 0 (LoRA adapters)",
+        py::arg("y"), py::arg("x"), py::arg("at"), py::arg("bt"), py::arg("ranks"), py::arg("row_slot"));
+
   // decoder_stack.h. Module-local: each ISA's build is its own module with its own class of
   // the same C++ name, and a process may load two (the tests compare them).
   py::class_<sluice::DecoderStack>(m, "DecoderStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("final_norm"))
       .def("add_layer", &sluice::DecoderStack::add_layer)
+      .def("set_lora", &sluice::DecoderStack::set_lora)
       .def("forward", &sluice::DecoderStack::forward);
 
   // w8a8.cpp

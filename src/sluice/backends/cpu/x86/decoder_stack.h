@@ -33,6 +33,14 @@ struct StackLinear {
   at::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
   at::Tensor w4a8, w4d, w4m;  // for sluice::linear_w4a8, at every row count
   c10::optional<at::Tensor> w4nib;  // ... and its nibble-packed copy, for steps of few rows
+  // LoRA adapters' resident slots of this layer (lora/slots.py LoRALayer: A^T, B^T stacks
+  // and each slot's rank), undefined where none are served.
+  at::Tensor lora_at, lora_bt, lora_ranks;
+
+  // y += each row's adapter delta (lora.cpp), for a step with LoRA rows.
+  void add_lora(at::Tensor& y, const at::Tensor& x, const c10::optional<at::Tensor>& row_slot) const {
+    if (row_slot && lora_at.defined()) sluice::lora_sgmv(y, x, lora_at, lora_bt, lora_ranks, *row_slot);
+  }
 
   // Whether the layer takes int8-quantized rows (W8A8Rows).
   bool quantized() const { return w8a8.defined() || w4a8.defined(); }
@@ -75,41 +83,63 @@ class DecoderStack {
                        post_attention_norm.contiguous()});
   }
 
-  // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer.
+  // Layer i's linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) gets LoRA slots (the tensors
+  // are shared: slots loaded in place are seen; a stack that grows is set again).
+  void set_lora(int64_t i, int64_t which, at::Tensor at_, at::Tensor bt, at::Tensor ranks) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && which >= 0 && which < 4, "no such linear");
+    StackLayer& l = layers_[i];
+    StackLinear& lin = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
+    lin.lora_at = at_, lin.lora_bt = bt, lin.lora_ranks = ranks;
+  }
+
+  // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer;
+  // row_slot: each row's LoRA slot (-1: none) in a step with adapters, else None.
   // Returns the final norm's output, as LlamaForCausalLM.forward does.
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor query_start,
-                     at::Tensor seq_lens) const {
+                     at::Tensor seq_lens, c10::optional<at::Tensor> row_slot) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache pair per layer");
     const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
     at::Tensor residual = x;
     at::Tensor h = sluice::rms_norm(x, layers_[0].input_norm, eps_);
     // A norm or SwiGLU whose output feeds a w8a8 layer quantizes its rows as it makes
-    // them (the same bits as quantizing its bf16 output in the linear layer).
+    // them (the same bits as quantizing its bf16 output in the linear layer). Not in a step
+    // with LoRA rows: the adapters' products take the bf16 rows the linear layers do.
+    const bool lora = row_slot.has_value();
     sluice::W8A8Rows hq;
     bool quantized = false;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
-      at::Tensor q = sluice::rope_write_kv(quantized ? l.qkv(hq) : l.qkv(h), cos, sin, k_cache, v_cache,
-                                           slot_mapping, num_heads_, num_kv_heads_);
+      at::Tensor qkv = quantized ? l.qkv(hq) : l.qkv(h);
+      l.qkv.add_lora(qkv, h, row_slot);
+      at::Tensor q = sluice::rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_);
       at::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
-      attn = l.o(attn.reshape({T, q_size}));
+      at::Tensor heads = attn.reshape({T, q_size}).contiguous();
+      attn = l.o(heads);
+      l.o.add_lora(attn, heads, row_slot);
       at::Tensor gate_up;
-      if (l.gate_up.quantized()) {
+      if (l.gate_up.quantized() && !lora) {
         sluice::W8A8Rows a;
         std::tie(a, residual) = sluice::add_rms_norm_w8a8(attn, residual, l.post_attention_norm, eps_);
         gate_up = l.gate_up(a);
       } else {
         std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
         gate_up = l.gate_up(h);
+        l.gate_up.add_lora(gate_up, h, row_slot);
       }
-      at::Tensor mlp = l.down.quantized() ? l.down(sluice::silu_and_mul_w8a8(gate_up))
-                                                 : l.down(sluice::silu_and_mul(gate_up));
+      at::Tensor mlp;
+      if (l.down.quantized() && !lora) {
+        mlp = l.down(sluice::silu_and_mul_w8a8(gate_up));
+      } else {
+        at::Tensor act = sluice::silu_and_mul(gate_up);
+        mlp = l.down(act);
+        l.down.add_lora(mlp, act, row_slot);
+      }
       const bool last = i + 1 == layers_.size();
       const at::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
-      quantized = !last && layers_[i + 1].qkv.quantized();
+      quantized = !last && layers_[i + 1].qkv.quantized() && !lora;
       if (quantized) std::tie(hq, residual) = sluice::add_rms_norm_w8a8(mlp, residual, next_norm, eps_);
       else std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
     }

@@ -19,6 +19,8 @@ at::Tensor argmax_rows(at::Tensor logits);
 void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 
 namespace sluice {
+// lora.cpp: each row's LoRA delta through its own adapter slot, added to y in place.
+void lora_sgmv(at::Tensor y, at::Tensor x, at::Tensor at_, at::Tensor bt, at::Tensor ranks, at::Tensor row_slot);
 // batch_invariant.cpp and w8a8.cpp: weights packed once at load for their linear kernels.
 at::Tensor pack_weight(at::Tensor w);
 at::Tensor pack_weight_int8(at::Tensor q);

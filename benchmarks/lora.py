@@ -1,0 +1,101 @@
+"""The cost of serving LoRA adapters: decode step time at c requests, the base model alone
+(an engine without LoRA) against the same engine with adapters on, its requests spread
+round-robin over N adapters (Punica's mixed batch), in one sitting, alternating, medians.
+
+Adapters are random, rank --rank on all seven projections (q/k/v/o/gate/up/down), written
+in PEFT's format for the model's shapes; their values do not change the work.
+
+    python benchmarks/lora.py [--model smollm2-135m] [--adapters 8] [--rank 16]
+                              [--concurrency 1,8,32] [--rounds 3]
+
+Prints one JSON line: per c, the median of each mode's mean decode step (ms) and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder: Path, slots: dict, rank: int, seed: int) -> None:
+    """A random PEFT LoRA adapter for a model whose checkpoint map is `slots`."""
+    import torch
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, slot in slots.items():
+        module = name.removesuffix(".weight")
+        if module.rpartition(".")[2] not in TARGETS or ".experts." in module:
+            continue
+        out_features, in_features = slot.shape
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) / in_features**0.5
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * 0.01
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
+
+
+def step_ms(engine, rng: random.Random, c: int, n_out: int, loras: list[str | None]) -> float:
+    """c requests of 64 random prompt tokens (request i with loras[i % len]): the mean wall
+    time of their decode steps after the first three, in ms."""
+    from sluice import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    for i in range(c):
+        engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(64)], params,
+                           lora=loras[i % len(loras)])
+    for _ in range(3):
+        engine.step()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> int:
+    from sluice import LLMEngine
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    common = dict(model=args.model, speculative_method=None, max_num_seqs=max(args.concurrency))
+    base = LLMEngine.from_kwargs(**common)
+    with tempfile.TemporaryDirectory() as tmp:
+        slots = base.runner.model.weight_slots()
+        names = [f"a{i}" for i in range(args.adapters)]
+        for i, name in enumerate(names):
+            write_adapter(Path(tmp) / name, slots, args.rank, i)
+        lora = LLMEngine.from_kwargs(**common, lora_modules={n: str(Path(tmp) / n) for n in names},
+                                     max_loras=args.adapters)
+    modes = {"base": (base, [None]), "lora-on, base rows": (lora, [None]), f"{args.adapters} adapters": (lora, names)}
+    rng = random.Random(0)
+    for engine, loras in modes.values():
+        step_ms(engine, rng, 4, 8, loras)  # warm
+    times: dict[str, dict[int, list[float]]] = {m: {c: [] for c in args.concurrency} for m in modes}
+    for _ in range(args.rounds):
+        for c in args.concurrency:
+            n_out = 64 if c <= 8 else 32
+            for mode, (engine, loras) in modes.items():
+                times[mode][c].append(step_ms(engine, rng, c, n_out, loras))
+    out = {"plan": base.backend.line(), "rank": args.rank, "adapters": args.adapters}
+    for c in args.concurrency:
+        med = {m: statistics.median(times[m][c]) for m in modes}
+        out[f"c{c}"] = {m: round(v, 2) for m, v in med.items()}
+        out[f"c{c}"]["adapters/base"] = round(med[f"{args.adapters} adapters"] / med["base"], 3)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
