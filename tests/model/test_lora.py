@@ -234,3 +234,36 @@ def test_gemma3_adapter_matches_peft_and_moe_experts_are_refused(tiny_checkpoint
     make_adapter(moe, tmp_path / "m", 1, r=4, lora_alpha=8, target_modules=ALL)
     with pytest.raises(ValueError, match=r"target module 'model\.layers\.0\.mlp\.experts' is not supported"):
         LLM(model=str(moe), dtype="float32", num_blocks=16, lora_modules={"m": str(tmp_path / "m")})
+
+
+def test_speculation_and_sessions_with_an_adapter(adapters, lora_llm):
+    """Drafts verified on every step give the adapter's own tokens; a session's next call
+    under the same adapter finds its history cached."""
+    base, folders = adapters
+    prompt = "one two three four five six seven eight nine ten one two three four five six seven eight"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = lora_llm.generate([prompt], params, lora="all")[0].outputs[0].token_ids
+    spec = LLM(model=str(base), dtype="float32", num_blocks=128, lora_modules=folders, speculative_gate="always",
+               num_speculative_tokens=4)
+    # A random tiny model never repeats itself, so n-gram lookup finds nothing: the drafts
+    # are the adapter's own next tokens, their last one wrong every other step.
+    proposer = spec.engine.scheduler.spec.proposer
+
+    def propose(req, k):
+        n = req.num_output_tokens
+        draft = list(want[n:n + k])
+        if draft and n % 2:
+            draft[-1] = (draft[-1] + 1) % 1000
+        return draft
+    proposer.propose = propose
+    out = spec.generate([prompt], params, lora="all")[0]
+    assert out.outputs[0].token_ids == want
+    stats = spec.engine.scheduler.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # kept and rejected drafts, through the adapter
+    first = lora_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), lora="rs", session_id="s1")[0]
+    follow = first.prompt_token_ids + first.outputs[0].token_ids + lora_llm.tokenizer.encode(" and more")
+    again = lora_llm.generate([follow], SamplingParams(temperature=0, max_tokens=4), lora="rs", session_id="s1")[0]
+    assert again.num_cached_tokens >= len(first.prompt_token_ids) - 16
+    assert lora_llm.release_session("s1") is not None
+    assert_all_blocks_free(lora_llm)
+    assert_all_blocks_free(spec)

@@ -98,3 +98,15 @@ def test_load_and_unload_at_run_time(lora_server):
     assert httpx.post(f"{keyed.url}/v1/unload_lora_adapter", json={"lora_name": "rs"},
                       headers={"Authorization": "Bearer sekret"}).status_code == 200
     wait_all_blocks_free(aengine.engine)
+
+
+def test_lora_modules_flag_forms():
+    from sluice.entrypoints.cli import build_parser, engine_kwargs, parse_lora_modules
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y=z"}']) == {"a": "/x", "b": "/y=z"}
+    for bad, message in ((["a"], "NAME=PATH"), (["a=/x", "a=/y"], "given twice"), (["=/x"], "a name and a path"),
+                         (['{"name": "a"}'], "JSON object")):
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
+    args = build_parser().parse_args(["serve", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2"])
+    kw = engine_kwargs(args)
+    assert kw["lora_modules"] == {"a": "/x", "b": "/y"} and kw["max_loras"] == 2 and not kw["enable_lora"]
