@@ -67,6 +67,15 @@ class Metrics:
                                      tl, buckets=_LATENCY, registry=r)
         self.tenant_e2e = Histogram("sluice_tenant_e2e_request_latency_seconds", "Arrival to finish, per tenant", tl,
                                     buckets=_LATENCY, registry=r)
+        self.tenant_queue = Histogram("sluice_tenant_request_queue_time_seconds", "Arrival to first scheduled, "
+                                      "per tenant", tl, buckets=_LATENCY, registry=r)
+        self.tenant_rate_limited = Counter("sluice_tenant_rate_limited", "Requests refused by a tenant's rate "
+                                           "limits (429), by limit: requests, tokens, concurrency",
+                                           tl + ["limit"], registry=r)
+        # The tenants' rate limiter (entrypoints/openai/quotas.py), whose refusals are
+        # counted at each scrape; None: no limits.
+        self.quotas = None
+        self._refused_seen: dict = {}
         self.pinned_blocks = Gauge("sluice_session_pinned_blocks", "KV blocks pinned for sessions between calls",
                                    labels, registry=r)
         self.sessions = Gauge("sluice_sessions", "Sessions remembered", labels, registry=r)
@@ -243,6 +252,8 @@ class Metrics:
         self.tenant_e2e.labels(m, t).observe(now - arrival)
         if first_token is not None:
             self.tenant_ttft.labels(m, t).observe(first_token - arrival)
+        if first_scheduled is not None:
+            self.tenant_queue.labels(m, t).observe(first_scheduled - arrival)
         self.prompt_tokens.labels(m).inc(num_prompt)
         self.generation_tokens.labels(m).inc(num_output)
         self.requests.labels(m, reason or "unknown").inc()
@@ -255,4 +266,10 @@ class Metrics:
                 self.tpot.labels(m).observe((now - first_token) / (num_output - 1))
 
     def render(self) -> bytes:
+        if self.quotas is not None:
+            for (tenant, limit), n in self.quotas.refused().items():
+                seen = self._refused_seen.get((tenant, limit), 0)
+                if n > seen:
+                    self.tenant_rate_limited.labels(self.model_name, self.tenant_label(tenant), limit).inc(n - seen)
+                    self._refused_seen[(tenant, limit)] = n
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ import pytest
 
 from sluice import LLM, SamplingParams
 from sluice.entrypoints.openai.api_server import ServerConfig
+from sluice.entrypoints.openai.tenants import TenantSpec
 from sluice.entrypoints.router.app import build_router_app
 from sluice.entrypoints.router.policy import RouterPolicy
 from sluice.entrypoints.router.replicas import ReplicaSet
@@ -58,7 +59,7 @@ def dp(tiny_checkpoint):
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, logging_level="WARNING")
     path = str(tiny_checkpoint("llama"))
     config = ServerConfig(served_model_name=MODEL, api_key="sekret", enable_weight_updates=True,
-                          enable_lora_updates=True)
+                          enable_lora_updates=True, tenants=[TenantSpec("lim", "sk-lim", rpm=3, tpm=10**6)])
     replicas = ReplicaSet(ray, 2, dict(model=path, dtype="float32", num_blocks=128, enable_lora=True), config,
                           replica_cpus=1, threads=1)
     try:
@@ -213,6 +214,29 @@ def test_weight_updates_reach_every_replica(dp, tmp_path):
         out = complete(url, DOC, n=6)
         assert out["choices"][0]["text"] == want and out["weight_version"] == "v9"
     assert httpx.post(f"{router.url}/sleep", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_rate_limits_hold_across_replicas(dp):
+    """The router holds a tenant's limits: 3 requests a minute in all, whichever replicas
+    serve them (the replicas' own copies of the tenant have none); its tokens are charged as
+    the replicas report them."""
+    router, replicas, _, _ = dp
+    quotas = router.server.config.app.state.quotas
+    quotas.clock = lambda: 5000.0  # frozen: nothing refills during the test, however slow the machine
+    st = quotas._tenants["lim"]
+    st.requests.t = st.tokens.t = 5000.0
+    lim = {"Authorization": "Bearer sk-lim"}
+    codes = [httpx.post(f"{router.url}/v1/completions", headers=lim, timeout=60, json={
+        "model": MODEL, "prompt": f"request {i} " * (i + 1), "max_tokens": 4}).status_code for i in range(4)]
+    assert codes == [200, 200, 200, 429], codes
+    assert metric_value(router.url, "sluice_router_rate_limited", 'tenant="lim"') == 1
+    direct = [httpx.post(f"{url}/v1/completions", headers=lim, timeout=60, json={
+        "model": MODEL, "prompt": "direct", "max_tokens": 1}).status_code for url in replicas.urls for _ in range(2)]
+    assert direct == [200] * 4
+    deadline = time.time() + 60  # a hang guard: the router reads the replicas' counters every second
+    while st.tokens.level > 10**6 - 3 * 5:
+        assert time.time() < deadline, "the replicas' token counts never reached the router"
+        time.sleep(0.1)
 
 
 def test_a_lora_adapter_loads_on_every_replica(dp, tmp_path_factory):

@@ -32,6 +32,7 @@ from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.lora_routes import add_lora_routes
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ModelCard, ModelList, TokenizeRequest)
+from sluice.entrypoints.openai.quotas import RateLimiter
 from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServing, input_items_page
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
@@ -190,9 +191,14 @@ class ServerConfig:
 
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="sluice", version=sluice.__version__)
-    serving = OpenAIServing(engine, config.served_model_name, config.limits)
+    # Tenants' rate limits (quotas.py): rpm, tpm, max_tokens, max_concurrency of the file.
+    limited = {t.name: t.limits for t in config.tenants if t.limits.any}
+    quotas = RateLimiter(limited) if limited else None
+    metrics.quotas = quotas
+    serving = OpenAIServing(engine, config.served_model_name, config.limits, quotas)
     responses = ResponsesServing(serving)
     app.state.engine = engine
+    app.state.quotas = quotas
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -241,11 +247,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                             f"{config.served_model_name!r}{also}", param="model", code="model_not_found")
 
-    def respond(result):
+    def respond(result, headers: dict | None = None):
         if hasattr(result, "__aiter__"):
             return StreamingResponse(result, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(result if isinstance(result, dict) else result.model_dump())
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        return JSONResponse(result if isinstance(result, dict) else result.model_dump(), headers=headers)
 
     def identity(raw: Request, user: str | None) -> tuple[str, str]:
         """(tenant, its prefix-cache namespace): the key's tenant when the server has keys,
@@ -260,29 +266,30 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         parts = [p for p in (namespace, req.cache_salt) if p]
         return tenant, "/".join(parts) or None
 
-    async def handle(raw: Request, work):
+    async def handle(raw: Request, work, tenant: str = ""):
         result = await until_disconnected(raw, work)
         if result is None:  # the client left; its requests are aborted
             return Response(status_code=CLIENT_CLOSED)
-        return respond(result)
+        # A limited tenant's remaining quota on every answer, as OpenAI's x-ratelimit-* headers.
+        return respond(result, quotas.headers(tenant) if quotas is not None else None)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         tenant, cache_salt = salt(raw, req)
-        return await handle(raw, serving.completions(req, cache_salt, tenant))
+        return await handle(raw, serving.completions(req, cache_salt, tenant), tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         tenant, cache_salt = salt(raw, req)
-        return await handle(raw, serving.chat(req, cache_salt, tenant))
+        return await handle(raw, serving.chat(req, cache_salt, tenant), tenant)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
         check_model(req.model)
         tenant, cache_salt = salt(raw, req)
-        return await handle(raw, responses.create(req, cache_salt, tenant))
+        return await handle(raw, responses.create(req, cache_salt, tenant), tenant)
 
     def stored_response(tenant: str, response_id: str):
         stored = responses.store.get(tenant, response_id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import jinja2
@@ -33,6 +33,7 @@ from sluice.entrypoints.openai.protocol import (
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest, PromptLogprob, PromptTokensDetails,
     TokenizeRequest, TopLogprob, UsageInfo, random_id)
+from sluice.entrypoints.openai.quotas import NeverFits, RateLimited, RateLimiter, Ticket
 from sluice.outputs import RequestOutput
 from sluice.request import Logprob
 from sluice.sampling_params import SamplingParams
@@ -190,6 +191,10 @@ class _Started:
     request_ids: list[str]
     prompt_ids: list[list[int]]
     streams: list[AsyncIterator[RequestOutput]]
+    # Its tenant's rate limits (quotas.py): the admission ticket, and each prompt's output
+    # tokens so far (charged when the request ends).
+    ticket: Ticket | None = None
+    output_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -210,10 +215,13 @@ def _complete(prompt_logprobs) -> bool:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServingLimits | None = None):
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServingLimits | None = None,
+                 quotas: RateLimiter | None = None):
         self.engine = engine
         self.model_name = model_name
         self.limits = limits or ServingLimits()
+        # Tenants' rate limits (quotas.py); None: none.
+        self.quotas = quotas
         self.tokenizer = engine.engine.tokenizer
         # --reasoning-parser: a thinking model's format (sluice/reasoning.py), else None.
         self.reasoning = getattr(engine.engine, "reasoning", None)
@@ -256,23 +264,38 @@ class OpenAIServing:
                      scheduling: dict | None = None) -> _Started:
         # All prompts are handed to the engine at once (it takes commands between steps,
         # so adding them one after another would cost a step each).
+        tenant = (scheduling or {}).get("tenant", "")
+        quota = self.quotas.limits(tenant) if self.quotas is not None else None
+        if quota is not None and quota.max_tokens is not None:
+            params = self._capped(params, prompts, quota.max_tokens, tenant)
         self._admit(len(prompts) * params.n)
+        ticket = None
+        if quota is not None:  # synchronous, as _admit: nothing runs between them and the submission
+            try:
+                ticket = self.quotas.admit(tenant, sum(map(len, prompts)),
+                                           len(prompts) * params.n * (params.max_tokens or 0))
+            except RateLimited as e:
+                raise APIError(429, str(e), code="rate_limit_exceeded", headers=e.headers) from None
+            except NeverFits as e:
+                raise APIError(400, str(e), param="max_tokens", code="rate_limit_exceeded") from None
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        started = _Started(rids, [], [])
+        started = _Started(rids, [], [], ticket, [0] * len(prompts))
         futures = []
         try:
-            for rid, p in zip(rids, prompts):
+            for i, (rid, p) in enumerate(zip(rids, prompts)):
                 added, outputs = self.engine.submit(rid, p, params, cache_salt=salt, deadline=deadline,
                                                     keepalive_s=self.limits.sse_keepalive_s if stream else None,
                                                     scheduling=scheduling)
                 futures.append(added)
-                started.streams.append(outputs)
+                started.streams.append(outputs if ticket is None else _counted(outputs, started, i))
             results = await asyncio.gather(*futures, return_exceptions=True)
         except BaseException:
             self._abort(started)
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            if ticket is not None:  # a request the engine refused costs no quota
+                self.quotas.cancel(ticket)
             self._abort(started)  # aborting a request that was never added is a no-op
             if isinstance(errors[0], ValueError):
                 raise from_value_error(errors[0]) from None
@@ -321,8 +344,25 @@ class OpenAIServing:
             raise APIError(400, str(e).replace("structured_outputs", field, 1), param=field) from None
 
     def _abort(self, started: _Started) -> None:
+        """A request's end, whatever ended it: abort what still runs, and settle its
+        tenant's quota (its output tokens charged, its concurrency slot freed)."""
         for rid in started.request_ids:
             self.engine.abort(rid)
+        t = started.ticket
+        if t is not None and not t.released:
+            self.quotas.charge(t.tenant, sum(started.output_tokens))
+            self.quotas.release(t)
+
+    def _capped(self, params: SamplingParams, prompts: list[list[int]], cap: int, tenant: str) -> SamplingParams:
+        """The tenant's max_tokens: a request asking for more is a 400; one asking for none
+        gets the cap (or what the context leaves, if less)."""
+        if params.max_tokens is not None:
+            if params.max_tokens > cap:
+                raise APIError(400, f"max_tokens {params.max_tokens} is above tenant {tenant!r}'s limit of {cap}",
+                               param="max_tokens", code="rate_limit_exceeded")
+            return params
+        room = self.engine.engine.max_model_len - max(map(len, prompts))
+        return params.clone(max_tokens=min(cap, room)) if room > 0 else params
 
     # -- completions ----------------------------------------------------------
     async def completions(self, req: CompletionRequest, salt: str | None = None, tenant: str = ""):
@@ -730,6 +770,13 @@ class ChatTools:
 
     def stream_parser(self) -> tool_calls.StreamParser:
         return tool_calls.StreamParser(self.tools)
+
+
+async def _counted(stream: AsyncIterator[RequestOutput], started: _Started, i: int):
+    """The stream of prompt i, noting its output tokens so far (its tenant's quota)."""
+    async for out in stream:
+        started.output_tokens[i] = sum(len(c.token_ids) for c in out.outputs)
+        yield out
 
 
 def scheduling(req, tenant: str, base_model: str) -> dict:

@@ -10,10 +10,12 @@ is whatever the client says, so it separates sessions and shares but isolates no
 The file (JSON):
 
     {"tenants": [{"name": "alice", "api_key": "sk-alice", "weight": 2},
-                 {"name": "bob", "api_key": "sk-bob"},
+                 {"name": "bob", "api_key": "sk-bob", "rpm": 60, "tpm": 20000,
+                  "max_tokens": 512, "max_concurrency": 4},
                  {"name": "batch-user", "weight": 0.5}]}
 
-An entry without api_key names a `user` value (for weights without keys).
+An entry without api_key names a `user` value (for weights without keys). rpm, tpm,
+max_tokens and max_concurrency are the tenant's rate limits (quotas.py), each optional.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_TENANT_NAME = 128
+LIMITS = ("rpm", "tpm", "max_tokens", "max_concurrency")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,17 @@ class TenantSpec:
     name: str
     api_key: str | None = None
     weight: float = 1.0
+    # Rate limits (quotas.py): requests and tokens per minute, the largest max_tokens, the
+    # most requests in flight; None: unlimited.
+    rpm: int | None = None
+    tpm: int | None = None
+    max_tokens: int | None = None
+    max_concurrency: int | None = None
+
+    @property
+    def limits(self):
+        from sluice.entrypoints.openai.quotas import TenantLimits
+        return TenantLimits(self.rpm, self.tpm, self.max_tokens, self.max_concurrency)
 
 
 def key_salt(api_key: str) -> str:
@@ -53,9 +67,14 @@ def load_tenants(path: str | Path) -> list[TenantSpec]:
     names, keys = set(), set()
     for i, e in enumerate(entries):
         where = f"--tenants: {path}: tenants[{i}]"
-        if not isinstance(e, dict) or set(e) - {"name", "api_key", "weight"}:
-            raise ValueError(f"{where} must be an object with name, and optionally api_key and weight")
+        if not isinstance(e, dict) or set(e) - {"name", "api_key", "weight", *LIMITS}:
+            raise ValueError(f"{where} must be an object with name, and optionally api_key, weight and the limits "
+                             f"{', '.join(LIMITS)}")
         name, key, weight = e.get("name"), e.get("api_key"), e.get("weight", 1.0)
+        for limit in LIMITS:
+            v = e.get(limit)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{where}.{limit} must be an integer >= 1")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_NAME:
             raise ValueError(f"{where}.name must be a string of 1 to {MAX_TENANT_NAME} characters")
         if key is not None and (not isinstance(key, str) or not key):
@@ -69,5 +88,5 @@ def load_tenants(path: str | Path) -> list[TenantSpec]:
         names.add(name)
         if key is not None:
             keys.add(key)
-        out.append(TenantSpec(name, key, float(weight)))
+        out.append(TenantSpec(name, key, float(weight), **{k: e[k] for k in LIMITS if e.get(k) is not None}))
     return out

@@ -42,6 +42,7 @@ import sluice
 from sluice.entrypoints.openai.api_server import (CLIENT_CLOSED, APIKeyMiddleware, GuardMiddleware, ServerConfig,
                                                    api_keys, until_disconnected)
 from sluice.entrypoints.openai.errors import APIError, error_json, error_payload
+from sluice.entrypoints.openai.quotas import NeverFits, RateLimited, RateLimiter
 from sluice.entrypoints.router.policy import RouterPolicy
 from sluice.entrypoints.router.replicas import ReplicaSet
 
@@ -81,6 +82,10 @@ class _Relay(StreamingResponse):
             await self.close()
 
 
+# How often the router reads the replicas' per-tenant token counters (tenants' tpm).
+USAGE_POLL_S = 1.0
+
+
 class RouterMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -92,6 +97,8 @@ class RouterMetrics:
         self.up = Gauge("sluice_router_replica_up", "1 while a replica is in rotation", ["replica"], registry=r)
         self.restarts = Gauge("sluice_router_replica_restarts", "Times a replica came back on a new address "
                               "(restarted by Ray)", ["replica"], registry=r)
+        self.rate_limited = Counter("sluice_router_rate_limited", "Requests refused by a tenant's rate limits "
+                                    "(429)", ["tenant"], registry=r)
 
 
 def routing_text(path: str, data: dict) -> str:
@@ -122,13 +129,40 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
+    # Tenants' rate limits (entrypoints/openai/quotas.py), held here so that they hold across
+    # replicas: requests and concurrency counted as they pass, tokens as the replicas report
+    # having served them (poll_usage).
+    limited = {t.name: t.limits for t in config.tenants if t.limits.any}
+    quotas = RateLimiter(limited) if limited else None
+
+    async def poll_usage() -> None:
+        """Forever: each replica's per-tenant token counters (its /metrics), the growth
+        since the last look charged to the tenant. A restarted replica (a new address)
+        counts from zero."""
+        seen: dict[str, dict[str, float]] = {}
+        while True:
+            await asyncio.sleep(USAGE_POLL_S)
+            ids = up()
+            texts = await asyncio.gather(*[_get_text(client, f"{replicas.urls[i]}/metrics") for i in ids])
+            for i, text in zip(ids, texts):
+                if text is None:
+                    continue
+                prev = seen.setdefault(replicas.urls[i], {})
+                for tenant, total in tenant_tokens(text).items():
+                    if total > prev.get(tenant, 0.0):
+                        quotas.charge(tenant, int(total - prev.get(tenant, 0.0)))
+                        prev[tenant] = total
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         monitor = asyncio.create_task(replicas.monitor(client))
+        usage = asyncio.create_task(poll_usage()) if quotas is not None else None
         try:
             yield
         finally:
             monitor.cancel()
+            if usage is not None:
+                usage.cancel()
             await client.aclose()
 
     app = FastAPI(title="sluice router", version=sluice.__version__, lifespan=lifespan)
@@ -172,7 +206,9 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     def headers_of(raw: Request) -> dict:
         return {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
 
-    async def forward(raw: Request, replica: int, body: bytes) -> Response:
+    async def forward(raw: Request, replica: int, body: bytes, ticket=None, extra: dict | None = None) -> Response:
+        """Relay the request to a replica. ticket: its tenant's rate-limit hold, released
+        when the request ends; extra: headers added to the answer (x-ratelimit-*)."""
         url = f"{replicas.urls[replica]}{raw.url.path}" + (f"?{raw.url.query}" if raw.url.query else "")
         policy.inflight[replica] += 1
         metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
@@ -186,6 +222,8 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
             if done:
                 return
             done = True
+            if ticket is not None:
+                quotas.release(ticket)
             policy.inflight[replica] -= 1
             metrics.inflight.labels(str(replica)).set(policy.inflight[replica])
             if upstream is not None:
@@ -197,7 +235,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
             await close()
             replicas.mark_down(replica, type(e).__name__)
             return unavailable(replica, type(e).__name__)
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() in RETURN_HEADERS}
+        headers = {**{k: v for k, v in upstream.headers.items() if k.lower() in RETURN_HEADERS}, **(extra or {})}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             return _Relay(relay(upstream, replica, raw.url.path, close), close, status_code=upstream.status_code,
                           headers={**headers, "X-Accel-Buffering": "no"})
@@ -253,10 +291,27 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         if not healthy:
             return no_replica()
         prev = data.get("previous_response_id")
-        replica, why = policy.pick(healthy, routing_text(raw.url.path, data), session_of(raw, data),
-                                   prev if isinstance(prev, str) else None)
+        text = routing_text(raw.url.path, data)
+        ticket, extra = None, None
+        tenant = raw.scope.get("state", {}).get("tenant")
+        tenant = tenant if tenant is not None else str(data.get("user") or "")
+        if quotas is not None and quotas.limits(tenant) is not None:
+            # The prompt's tokens estimated from its characters (~4 a token: OpenAI's own
+            # estimate at admission); what the request used is charged as it is served.
+            out = next((v for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")
+                        if isinstance(v := data.get(k), int) and v > 0), 0)
+            n = data.get("n") if isinstance(data.get("n"), int) and data.get("n") > 0 else 1
+            try:
+                ticket = quotas.admit(tenant, len(text) // 4, n * out, take_prompt=False)
+            except RateLimited as e:
+                metrics.rate_limited.labels(tenant).inc()
+                return error_json(429, str(e), code="rate_limit_exceeded", headers=e.headers)
+            except NeverFits as e:
+                return error_json(400, str(e), param="max_tokens", code="rate_limit_exceeded")
+            extra = quotas.headers(tenant)
+        replica, why = policy.pick(healthy, text, session_of(raw, data), prev if isinstance(prev, str) else None)
         metrics.requests.labels(str(replica), why).inc()
-        return await forward(raw, replica, body)
+        return await forward(raw, replica, body, ticket, extra)
 
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.add_api_route(path, generate, methods=["POST"])
@@ -478,8 +533,22 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
         merged = merge_metrics(dict(zip(ids, texts)))
         return Response(merged + generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.state.replicas, app.state.policy, app.state.metrics = replicas, policy, metrics
+    app.state.replicas, app.state.policy, app.state.metrics, app.state.quotas = replicas, policy, metrics, quotas
     return app
+
+
+_TENANT_TOKENS = re.compile(r'^sluice_tenant_(?:prompt|generation)_tokens_total\{[^}]*tenant="([^"]*)"[^}]*\} (\S+)$',
+                            re.M)
+
+
+def tenant_tokens(metrics_text: str) -> dict[str, float]:
+    """A replica's tokens served so far per tenant (prompt + output), from its /metrics
+    (its label "default" is the shared tenant "")."""
+    out: dict[str, float] = {}
+    for tenant, value in _TENANT_TOKENS.findall(metrics_text):
+        key = "" if tenant == "default" else tenant
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
 
 
 async def _get_text(client: httpx.AsyncClient, url: str) -> str | None:

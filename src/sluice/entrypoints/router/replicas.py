@@ -12,6 +12,7 @@ after an update it cannot repeat (one from a trainer's group) until the next upd
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -87,6 +88,10 @@ class ReplicaSet:
         self.n = n
         driver_ip = ray.util.get_node_ip_address()
         cls = actor_class(ray, replica_cpus)
+        # The router holds the tenants' rate limits (so they hold across replicas); a
+        # replica keeps only the max_tokens cap, which it applies to each request.
+        server_config = dataclasses.replace(server_config, tenants=[
+            dataclasses.replace(t, rpm=None, tpm=None, max_concurrency=None) for t in server_config.tenants])
         self.actors = [cls.remote(i, engine_kwargs, server_config, threads, driver_ip) for i in range(n)]
         self.urls: list[str | None] = [None] * n
         self.up = [False] * n
