@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -48,6 +49,15 @@ class ShuttingDownError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request was ended by a failure inside the engine; the engine goes on."""
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request could not start within its queue-wait bound; it was dropped before
+    running. retry_after: seconds until the queue ahead of it is likely to have drained."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestTimeoutError(RuntimeError):
@@ -119,6 +129,12 @@ class AsyncEngine:
         self._unqueued = 0
         self._draining = False
         self._drain_deadline: float | None = None
+        # Requests with a queue-wait bound, not yet started: request id -> (monotonic time by
+        # which it must have been scheduled, the bound in seconds).
+        self._queue_deadlines: dict[str, tuple[float, float]] = {}
+        # When requests finished (the last minute's): the drain rate a refused request's
+        # Retry-After is estimated from.
+        self._finish_times: deque[float] = deque()
         self.num_resets = 0
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
 
@@ -166,7 +182,8 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str | None = None, deadline: float | None = None,
-               keepalive_s: float | None = None, scheduling: dict | None = None
+               keepalive_s: float | None = None, scheduling: dict | None = None,
+               queue_wait_s: float | None = None
                ) -> tuple[asyncio.Future, AsyncIterator[RequestOutput | None]]:
         """Send a request to the engine thread now (no await: an admission check just
         before it sees it counted). Returns a future of its prompt token ids (it raises
@@ -174,7 +191,8 @@ class AsyncEngine:
         At `deadline` (event-loop time) the stream raises RequestTimeoutError and the
         request is aborted; with `keepalive_s`, the stream yields None after every
         keepalive_s without an output. scheduling: session_id, tenant and priority
-        (LLMEngine.add_request)."""
+        (LLMEngine.add_request). queue_wait_s: a request not scheduled that long after
+        it reached the engine is dropped, and its stream raises QueueTimeoutError."""
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -186,7 +204,8 @@ class AsyncEngine:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down")
             self._unqueued += params.n
-            self._send(("add", request_id, prompt, params, cache_salt, stream, added, scheduling or {}))
+            self._send(("add", request_id, prompt, params, cache_salt, stream, added, scheduling or {},
+                        queue_wait_s))
         return added, self._iterate(request_id, stream, deadline, keepalive_s)
 
     async def _iterate(self, request_id: str, stream: _Stream, deadline: float | None = None,
@@ -292,12 +311,17 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop:
             if not engine.has_unfinished_requests() and self._commands.empty():
-                # Idle; while draining, wake at the deadline if streams are still open.
-                deadline = self._drain_deadline if self._streams else None
-                self._wake.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                # Idle; while draining, wake at the deadline if streams are still open, and
+                # at the first queue-wait bound.
+                deadlines = [d for d, _ in self._queue_deadlines.values()]
+                if self._drain_deadline is not None and self._streams:
+                    deadlines.append(self._drain_deadline)
+                self._wake.wait(max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
             self._wake.clear()
             self._drain_commands()
             self._end_drained()
+            if self._queue_deadlines:
+                self._end_queue_waits()
             if engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = engine.step()
@@ -307,6 +331,31 @@ class AsyncEngine:
                         self.on_step(engine, outputs, time.perf_counter() - t0)
                     except Exception:  # metrics are not worth a request
                         logger.exception("the per-step hook failed")
+
+    def _end_queue_waits(self) -> None:
+        """Drop the requests past their queue-wait bound that have not started (a started
+        one leaves the watch list), answering each with a Retry-After from the drain rate:
+        the requests waiting over the last minute's finishes per second."""
+        now = time.monotonic()
+        sched, outputs = self.engine.scheduler, self.engine.outputs
+        for rid, (deadline, bound) in list(self._queue_deadlines.items()):
+            children = [sched.requests.get(c) for c in outputs.children_of(rid)]
+            if not children or any(r is not None and r.first_scheduled_time is not None for r in children):
+                del self._queue_deadlines[rid]  # started (or gone)
+            elif now >= deadline:
+                del self._queue_deadlines[rid]
+                while self._finish_times and now - self._finish_times[0] > 60.0:
+                    self._finish_times.popleft()
+                span = now - self._finish_times[0] if self._finish_times else 0.0
+                rate = len(self._finish_times) / span if span > 0 else 0.0
+                waiting = sched.num_waiting
+                retry = min(60, max(1, math.ceil(waiting / rate))) if rate > 0 else 60
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.put(QueueTimeoutError(
+                        f"the server is overloaded: this request could not start within {bound:g} s "
+                        f"(--max-queue-wait; {waiting} requests waiting); retry in about {retry} s", retry))
+                self.engine.abort(rid)
 
     def _end_drained(self) -> None:
         deadline = self._drain_deadline
@@ -346,7 +395,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, salt, stream, added, scheduling = cmd
+                _, rid, prompt, params, salt, stream, added, scheduling, queue_wait_s = cmd
                 try:
                     if refuse is not None:
                         raise refuse
@@ -358,6 +407,8 @@ class AsyncEngine:
                     with self._lock:
                         self._unqueued -= params.n
                 self._streams[rid] = stream
+                if queue_wait_s is not None:
+                    self._queue_deadlines[rid] = (time.monotonic() + queue_wait_s, queue_wait_s)
                 stream.loop.call_soon_threadsafe(_set_result, added, ids)
             elif cmd[0] == "call":
                 _, loop, done, fn = cmd
@@ -387,6 +438,7 @@ class AsyncEngine:
             batches.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 del self._streams[out.request_id]
+                self._finish_times.append(time.monotonic())
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
 

@@ -213,21 +213,13 @@ class LLMEngine:
         if self.asleep:
             raise EngineAsleepError("the engine is asleep (its KV cache is freed); wake_up() first")
         check_scheduling_fields(session_id, tenant, priority)
-        adapter = self.lora_adapter(lora)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
         else:
             text, ids = None, list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        self._check_vocab(params)
-        max_tokens = self._check_fits(len(ids), params)
+        max_tokens, adapter = self.check_request(ids, params, lora)
         # Compiled here unless the server already did (off this thread: then a cache hit).
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         children = []
@@ -255,6 +247,21 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
         return ids
+
+    def check_request(self, ids: list[int], params: SamplingParams, lora: str | None = None):
+        """Every check of a request that needs the model (its vocabulary, context length,
+        KV capacity, adapters) but no engine state, so the server runs it before admission
+        (a bad request is a 400 at any load) and add_request again. Returns the resolved
+        max_tokens and the adapter; ValueError naming what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        adapter = self.lora_adapter(lora)
+        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        self._check_vocab(params)
+        return self._check_fits(len(ids), params), adapter
 
     # -- LoRA adapters ----------------------------------------------------------
     def lora_adapter(self, name: str | None):

@@ -261,8 +261,10 @@ def cmd_serve(args) -> int:
                              ("--shutdown-grace", args.shutdown_grace, 0)):
         if not value >= low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
+        raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
     limits = ServingLimits(max_waiting=args.max_waiting, max_n=args.max_n,
-                           request_timeout=args.request_timeout or None)
+                           request_timeout=args.request_timeout or None, max_queue_wait=args.max_queue_wait)
     from sluice.entrypoints.openai.tenants import load_tenants
     tenants = load_tenants(args.tenants) if args.tenants else []
     kwargs = engine_kwargs(args)
@@ -305,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=128,
                      help="sequences (prompts x n) allowed to wait for a seat; past it new requests get HTTP 429 "
                           "+ Retry-After, and a request with more sequences than this gets 400 (default 128)")
+    srv.add_argument("--max-queue-wait", type=float, default=None,
+                     help="seconds a request may wait for its first step; past it, 429 with a Retry-After estimated "
+                          "from how fast the queue drains (default: no bound)")
     srv.add_argument("--max-n", type=int, default=16, help="the most samples (n) one request may ask for (default 16)")
     srv.add_argument("--request-timeout", type=float, default=600.0,
                      help="seconds a request may wait and run in all; past it, it ends with an error and its KV "

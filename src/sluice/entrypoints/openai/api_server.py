@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sluice
-from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
-                                        ShuttingDownError)
+from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, QueueTimeoutError, RequestFailedError,
+                                        RequestTimeoutError, ShuttingDownError)
 from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.lora_routes import add_lora_routes
@@ -227,7 +227,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         err = api_error(e)
         return error_json(err.status, err.message, code=err.code, headers=err.headers)
 
-    for kind in (EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError, EngineAsleepError):
+    for kind in (EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError, EngineAsleepError,
+                 QueueTimeoutError):
         app.add_exception_handler(kind, _engine_error)
 
     # With keys, each key is a tenant with its own prefix-cache and session namespace, so

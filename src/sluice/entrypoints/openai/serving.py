@@ -23,8 +23,8 @@ from typing import AsyncIterator
 
 import jinja2
 
-from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestTimeoutError,
-                                        ShuttingDownError)
+from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, QueueTimeoutError, RequestFailedError,
+                                        RequestTimeoutError, ShuttingDownError)
 from sluice.engine.llm_engine import EngineAsleepError
 from sluice.entrypoints.openai import tool_calls
 from sluice.entrypoints.openai.errors import APIError, error_payload, from_value_error
@@ -51,6 +51,9 @@ class ServingLimits:
     # Seconds of silence after which a stream gets an SSE comment (proxies and clients
     # that time out idle connections would otherwise drop a queued stream).
     sse_keepalive_s: float = 15.0
+    # Seconds a request may wait for its first step; past it, it is dropped and answered
+    # 429 with a Retry-After from the drain rate (an error event on a stream). None: no bound.
+    max_queue_wait: float | None = None
 
 
 def api_error(e: BaseException) -> APIError | None:
@@ -63,12 +66,15 @@ def api_error(e: BaseException) -> APIError | None:
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
     if isinstance(e, RequestTimeoutError):
         return APIError(504, str(e), code="timeout")
+    if isinstance(e, QueueTimeoutError):
+        return APIError(429, str(e), code="queue_timeout", headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, EngineAsleepError):
         return APIError(503, str(e), code="engine_asleep", headers={"Retry-After": "5"})
     return None
 
 
-_ENGINE_ERRORS = (RequestFailedError, ShuttingDownError, EngineDeadError, RequestTimeoutError, EngineAsleepError)
+_ENGINE_ERRORS = (RequestFailedError, ShuttingDownError, EngineDeadError, RequestTimeoutError, EngineAsleepError,
+                  QueueTimeoutError)
 
 
 def sse_error(e: APIError) -> str:
@@ -268,6 +274,13 @@ class OpenAIServing:
         quota = self.quotas.limits(tenant) if self.quotas is not None else None
         if quota is not None and quota.max_tokens is not None:
             params = self._capped(params, prompts, quota.max_tokens, tenant)
+        # What the model can tell is wrong with the request first: a bad request is a 400
+        # whatever the load or the tenant's quota (the engine checks again as it adds it).
+        try:
+            for p in prompts:
+                self.engine.engine.check_request(p, params, (scheduling or {}).get("lora"))
+        except ValueError as e:
+            raise from_value_error(e) from None
         self._admit(len(prompts) * params.n)
         ticket = None
         if quota is not None:  # synchronous, as _admit: nothing runs between them and the submission
@@ -285,7 +298,7 @@ class OpenAIServing:
             for i, (rid, p) in enumerate(zip(rids, prompts)):
                 added, outputs = self.engine.submit(rid, p, params, cache_salt=salt, deadline=deadline,
                                                     keepalive_s=self.limits.sse_keepalive_s if stream else None,
-                                                    scheduling=scheduling)
+                                                    scheduling=scheduling, queue_wait_s=self.limits.max_queue_wait)
                 futures.append(added)
                 started.streams.append(outputs if ticket is None else _counted(outputs, started, i))
             results = await asyncio.gather(*futures, return_exceptions=True)
