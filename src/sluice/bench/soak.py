@@ -103,6 +103,12 @@ class SoakReport:
     ok: int = 0
     ok_latency_p50_s: float | None = None
     ok_latency_p99_s: float | None = None
+    # The worst a client saw: the wait for a stream's first token and for a non-streaming
+    # answer's first byte (queue wait plus the prompt), and the longest gap between two
+    # chunks of one stream (a stall: preemption, a long prompt beside it).
+    worst_first_token_s: float | None = None
+    worst_first_byte_s: float | None = None
+    worst_stream_gap_s: float | None = None
     after_running: float | None = None
     after_waiting: float | None = None
     after_kv_blocks_used: float | None = None
@@ -250,8 +256,11 @@ class _Run:
             self.latencies.append(time.perf_counter() - t0)
 
     async def exchange(self, session, path: str, body: dict, p: Planned, label: str) -> None:
+        t0 = time.perf_counter()
         async with session.post(f"{self.args.url}{path}", json=body, headers=self.headers) as r:
             status = r.status
+            if not p.stream:
+                self._worst("worst_first_byte_s", time.perf_counter() - t0)
             if status != 200:
                 raw = await r.read()
                 self.count(label, str(status))
@@ -268,7 +277,7 @@ class _Run:
                     self.problem(f"{label}: HTTP {status} without an OpenAI error body: {raw[:200]!r}")
                 return
             if p.stream:
-                tokens = await self.read_stream(r, label)
+                tokens = await self.read_stream(r, label, t0)
             else:
                 raw = await r.read()
                 try:
@@ -289,14 +298,27 @@ class _Run:
         else:
             self.report.ok += 1
 
-    async def read_stream(self, r, label: str) -> int | None:
+    def _worst(self, name: str, seconds: float) -> None:
+        current = getattr(self.report, name)
+        if current is None or seconds > current:
+            setattr(self.report, name, round(seconds, 3))
+
+    async def read_stream(self, r, label: str, t0: float) -> int | None:
         """Completion tokens from the usage chunk, or None after an error event; counts
-        a stream that ends without [DONE] or with a line that does not parse."""
+        a stream that ends without [DONE] or with a line that does not parse; notes the
+        wait for its first chunk and its longest gap between chunks."""
         tokens, done, errored = None, False, False
+        last = None
         async for raw_line in r.content:
             line = raw_line.decode("utf-8", "replace").strip()
             if not line or line.startswith(":"):
                 continue
+            now = time.perf_counter()
+            if last is None:
+                self._worst("worst_first_token_s", now - t0)
+            else:
+                self._worst("worst_stream_gap_s", now - last)
+            last = now
             if not line.startswith("data: "):
                 self.report.malformed_responses += 1
                 self.problem(f"{label}: stream line {line[:120]!r}")
