@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,6 +20,18 @@ MAX_TENANT_LABELS = 32
 def _delta(count: int, seen: int) -> int:
     """New events of a count last seen at `seen` (all of it if the count restarted)."""
     return count - seen if count >= seen else count
+
+
+@dataclass
+class Recent:
+    """The last steps and requests, for the dashboard: a few appends per step and per
+    finished request, read by the page's event stream a few times a second."""
+    steps: deque = field(default_factory=lambda: deque(maxlen=240))  # (prompt, decode, drafted, accepted, ms)
+    ttft: deque = field(default_factory=lambda: deque(maxlen=512))
+    tpot: deque = field(default_factory=lambda: deque(maxlen=512))
+    tenant_tokens: dict = field(default_factory=dict)                # tenant -> prompt + output tokens
+    finished: int = 0
+    accepted_seen: int = 0
 
 
 class Metrics:
@@ -126,6 +140,8 @@ class Metrics:
         self.lora_slot_loads = Counter("sluice_lora_slot_loads", "LoRA adapters copied into a slot (a step needed "
                                        "one that was not resident)", labels, registry=r)
         self._lora_loads_seen = 0
+        # What the dashboard shows (entrypoints/openai/dashboard.py), kept as plain values.
+        self.recent = Recent()
         self._weights_seen: tuple = ()
         self._weight_bytes_seen = None
         self.set_weights("0", 0, False)
@@ -154,6 +170,10 @@ class Metrics:
         """Called by the engine thread after every step."""
         m = self.model_name
         sched, kv = engine.scheduler, engine.kv
+        prompt, decode, drafted, _ = sched.last_mix
+        accepted = sched.spec.stats.accepted if sched.spec is not None else 0
+        self.recent.steps.append((prompt, decode, drafted, accepted - self.recent.accepted_seen, 1e3 * seconds))
+        self.recent.accepted_seen = accepted
         self.running.labels(m).set(sched.num_running)
         self.waiting.labels(m).set(sched.num_waiting)
         self.kv_usage.labels(m).set(kv.usage())
@@ -246,6 +266,13 @@ class Metrics:
         """Called once per finished request (per sample for n > 1)."""
         m, now = self.model_name, time.monotonic()
         t = self.tenant_label(tenant)
+        r = self.recent
+        r.finished += 1
+        r.tenant_tokens[t] = r.tenant_tokens.get(t, 0) + num_prompt + num_output
+        if first_token is not None:
+            r.ttft.append(first_token - arrival)
+            if num_output > 1:
+                r.tpot.append((now - first_token) / (num_output - 1))
         self.tenant_requests.labels(m, t).inc()
         self.tenant_prompt_tokens.labels(m, t).inc(num_prompt)
         self.tenant_generation_tokens.labels(m, t).inc(num_output)

@@ -178,12 +178,18 @@ class Scheduler:
         self.last_budget = config.max_num_batched_tokens
         # Speculative decoding (spec/): who verifies drafts each step; None: off.
         self.spec = speculator
+        # The last step's tokens: (prompt, decode, drafted, seconds) (observe_step).
+        self.last_mix = (0, 0, 0, 0.0)
         # LoRA adapters (lora/): the most distinct adapters running at once (their resident
         # slots); None: no adapters served.
         self.max_loras = max_loras
 
     def observe_step(self, plan: "StepPlan", seconds: float) -> None:
-        """The engine's measured wall time of a step (for the latency target)."""
+        """The engine's measured wall time of a step (for the latency target), and what
+        the step held (last_mix, for the dashboard)."""
+        decode = sum(len(e.token_ids) for e in plan.scheduled if e.start_pos >= len(e.prompt_token_ids))
+        drafted = sum(len(e.draft_token_ids) for e in plan.scheduled)
+        self.last_mix = (plan.num_batched_tokens - decode, decode, drafted, seconds)
         if self.step_model is not None:
             decodes = any(e.start_pos >= len(e.prompt_token_ids) for e in plan.scheduled)
             self.step_model.observe(plan.num_batched_tokens, seconds, decodes)

@@ -28,6 +28,7 @@ import sluice
 from sluice.engine.async_engine import (AsyncEngine, EngineDeadError, QueueTimeoutError, RequestFailedError,
                                         RequestTimeoutError, ShuttingDownError)
 from sluice.engine.llm_engine import EngineAsleepError
+from sluice.entrypoints.openai.dashboard import add_dashboard_routes
 from sluice.entrypoints.openai.errors import APIError, error_json
 from sluice.entrypoints.openai.lora_routes import add_lora_routes
 from sluice.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -331,6 +332,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
 
     add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, keys, metrics)
     add_lora_routes(app, engine, config.enable_lora_updates, config.served_model_name, config.api_key, keys)
+    add_dashboard_routes(app, engine, metrics, keys)
 
     # Routes outside /v1 that still need a key with --api-key (the middleware guards /v1):
     # vLLM's tokenizer routes and the admin action of resetting the prefix cache.
