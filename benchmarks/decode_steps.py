@@ -19,13 +19,15 @@ from pathlib import Path
 
 
 
-def decode_step_ms(engine, rng: random.Random, c: int, n_out: int) -> float:
-    """c requests of 64 random prompt tokens: the mean wall time of their decode steps
-    after the first three, in ms."""
+def decode_step_ms(engine, rng: random.Random, c: int, n_out: int, prompt: int = 64,
+                   loras: list[str | None] | None = None) -> float:
+    """c requests of `prompt` random tokens (request i with LoRA adapter loras[i % len], if
+    given): the mean wall time of their decode steps after the first three, in ms."""
     from sluice import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
     for i in range(c):
-        engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(64)], params)
+        engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(prompt)], params,
+                           lora=loras[i % len(loras)] if loras else None)
     for _ in range(3):
         engine.step()
     t0, steps = time.perf_counter(), 0

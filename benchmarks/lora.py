@@ -21,8 +21,9 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from decode_steps import decode_step_ms  # (benchmarks/ is the script's own folder)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Model shapes for --shape (Llama-family configs; SmolLM2's tokenizer and vocabulary).
@@ -70,23 +71,6 @@ def write_adapter(folder: Path, slots: dict, rank: int, seed: int) -> None:
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
 
 
-def step_ms(engine, rng: random.Random, c: int, n_out: int, loras: list[str | None], prompt: int = 64) -> float:
-    """c requests of `prompt` random tokens (request i with loras[i % len]): the mean wall
-    time of their decode steps after the first three, in ms."""
-    from sluice import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-    for i in range(c):
-        engine.add_request(f"r{c}-{i}-{time.time()}", [rng.randrange(3, 40000) for _ in range(prompt)], params,
-                           lora=loras[i % len(loras)])
-    for _ in range(3):
-        engine.step()
-    t0, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
 def main() -> int:
     from sluice import LLMEngine
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -114,13 +98,13 @@ def main() -> int:
     modes = {"base": (base, [None]), "lora-on, base rows": (lora, [None]), f"{args.adapters} adapters": (lora, names)}
     rng = random.Random(0)
     for engine, loras in modes.values():
-        step_ms(engine, rng, 4, 8, loras, prompt)  # warm
+        decode_step_ms(engine, rng, 4, 8, prompt, loras)  # warm
     times: dict[str, dict[int, list[float]]] = {m: {c: [] for c in args.concurrency} for m in modes}
     for _ in range(args.rounds):
         for c in args.concurrency:
             n_out = (64 if c <= 8 else 32) // (4 if args.shape else 1)
             for mode, (engine, loras) in modes.items():
-                times[mode][c].append(step_ms(engine, rng, c, n_out, loras, prompt))
+                times[mode][c].append(decode_step_ms(engine, rng, c, n_out, prompt, loras))
     out = {"model": args.shape or args.model, "plan": base.backend.line(), "rank": args.rank,
            "adapters": args.adapters}
     for c in args.concurrency:

@@ -95,18 +95,8 @@ class LLM:
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm, lora=None, **scheduling) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-            params = sampling_params
-        else:
-            params = [sampling_params] * len(prompts)
-        if isinstance(lora, list):
-            if len(lora) != len(prompts):
-                raise ValueError(f"got {len(lora)} lora names for {len(prompts)} prompts")
-            loras = lora
-        else:
-            loras = [lora] * len(prompts)
+        params = _per_prompt(sampling_params, prompts, "SamplingParams")
+        loras = _per_prompt(lora, prompts, "lora names")
         order: dict[str, int] = {}
         try:
             for i, (prompt, p, name) in enumerate(zip(prompts, params, loras)):
@@ -131,3 +121,12 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _per_prompt(value, prompts: list, what: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"got {len(value)} {what} for {len(prompts)} prompts")
+    return value

@@ -176,38 +176,31 @@ void sgmv(W* y, const W* x, const W* at, const W* bt, const int32_t* ranks, cons
   if (groups.empty()) return;
   const int64_t NP = (N + kLanes - 1) / kLanes * kLanes, nb = NP / kLanes;
   std::vector<float> xa(groups.size() * kRows * R);
-  std::vector<std::pair<int64_t, int64_t>> units;  // (group, unit)
-  for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
-    const int64_t rv = (ranks[groups[g].slot] + kLanes - 1) / kLanes;
-    for (int64_t u = 0; u < (rv + 2) / 3; ++u) units.emplace_back(g, u);
-  }
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(kRows * K);
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [g, u] = units[i];
-      const Group& gr = groups[g];
-#define SLUICE_SHRINK(m)                                                                                     \
-  shrink_unit<m>(x, rows.data() + gr.first, at + gr.slot * K * R, ranks[gr.slot], K, R, u, xa.data() + g * kRows * R, \
-                 xf.data())
-      SLUICE_BY_ROWS(gr.m, SLUICE_SHRINK)
+  // A pass: units_of(group) units per group, each run by fn(group, its index, unit, buffer)
+  // with a buffer of `scratch` floats per thread.
+  auto pass = [&](auto units_of, int64_t scratch, auto fn) {
+    std::vector<std::pair<int64_t, int64_t>> units;  // (group, unit)
+    for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
+      for (int64_t u = 0; u < units_of(groups[g]); ++u) units.emplace_back(g, u);
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(scratch);
+      for (int64_t i = begin; i < end; ++i) fn(groups[units[i].first], units[i].first, units[i].second, buf.data());
+    });
+  };
+  pass([&](const Group& gr) { return ((ranks[gr.slot] + kLanes - 1) / kLanes + 2) / 3; }, kRows * K,
+       [&](const Group& gr, int64_t g, int64_t u, float* xf) {
+#define SLUICE_SHRINK(m) \
+  shrink_unit<m>(x, rows.data() + gr.first, at + gr.slot * K * R, ranks[gr.slot], K, R, u, xa.data() + g * kRows * R, xf)
+         SLUICE_BY_ROWS(gr.m, SLUICE_SHRINK)
 #undef SLUICE_SHRINK
-    }
-  });
-  units.clear();
-  for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
-    for (int64_t u = 0; u < (nb + 1) / 2; ++u) units.emplace_back(g, u);
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(kRows * 2 * kLanes);
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [g, u] = units[i];
-      const Group& gr = groups[g];
-#define SLUICE_EXPAND(m)                                                                                         \
-  expand_unit<m>(y, rows.data() + gr.first, bt + gr.slot * R * NP, ranks[gr.slot], N, R, u, xa.data() + g * kRows * R, \
-                 out.data())
-      SLUICE_BY_ROWS(gr.m, SLUICE_EXPAND)
+       });
+  pass([&](const Group&) { return (nb + 1) / 2; }, kRows * 2 * kLanes,
+       [&](const Group& gr, int64_t g, int64_t u, float* out) {
+#define SLUICE_EXPAND(m) \
+  expand_unit<m>(y, rows.data() + gr.first, bt + gr.slot * R * NP, ranks[gr.slot], N, R, u, xa.data() + g * kRows * R, out)
+         SLUICE_BY_ROWS(gr.m, SLUICE_EXPAND)
 #undef SLUICE_EXPAND
-    }
-  });
+       });
 }
 #undef SLUICE_BY_ROWS
 
