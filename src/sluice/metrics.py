@@ -217,7 +217,7 @@ class Metrics:
             self._observe_spec(sched.spec.stats)
         lora = getattr(engine, "lora", None)
         if lora is not None:
-            self.lora_loaded.labels(m).set(len(lora.adapters))
+            self.set_lora_loaded(len(lora.adapters))
             self.lora_resident.labels(m).set(lora.num_resident)
             self.lora_running.labels(m).set(sum(r.lora is not None for r in sched.running))
             self.lora_slot_loads.labels(m).inc(_delta(lora.loads, self._lora_loads_seen))
@@ -228,6 +228,11 @@ class Metrics:
             self._weight_bytes_seen = engine.weight_bytes
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
+
+    def set_lora_loaded(self, n: int) -> None:
+        """Adapters served (after each step, and from the load / unload routes, which may
+        run while the engine is idle)."""
+        self.lora_loaded.labels(self.model_name).set(n)
 
     def set_weights(self, version: str, updates: int, asleep: bool) -> None:
         """The engine's weight version, update count and sleep state (after each step, and

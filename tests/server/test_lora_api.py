@@ -78,6 +78,7 @@ def test_load_and_unload_at_run_time(lora_server):
     assert r.status_code == 200, r.text
     assert "added successfully" in r.text
     assert "rs" in {c["id"] for c in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert metric_value(server.url, "sluice_lora_adapters_loaded") == 2  # at once, with the engine idle
     out = client(server.url).completions.create(model="rs", prompt="Hello", max_tokens=4, temperature=0)
     assert out.model == "rs" and out.usage.completion_tokens == 4
     again = httpx.post(f"{server.url}/v1/load_lora_adapter", json=load)

@@ -331,7 +331,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
         return {"id": session_id, "object": "session", "deleted": True, "released_blocks": released}
 
     add_weight_routes(app, engine, config.enable_weight_updates, config.api_key, keys, metrics)
-    add_lora_routes(app, engine, config.enable_lora_updates, config.served_model_name, config.api_key, keys)
+    add_lora_routes(app, engine, config.enable_lora_updates, config.served_model_name, config.api_key, keys, metrics)
     add_dashboard_routes(app, engine, metrics, keys)
 
     # Routes outside /v1 that still need a key with --api-key (the middleware guards /v1):
