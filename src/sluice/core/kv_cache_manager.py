@@ -168,9 +168,8 @@ class KVCacheManager:
             parts.append(request.share_key or "")
             if request.session_id is not None:
                 parts.append(f"session\x00{request.tenant}\x00{request.session_id}")
-        lora = getattr(request, "lora", None)
-        if lora is not None:  # an adapter's K/V differ from the base model's and another adapter's
-            parts.append(f"lora\x00{lora.uid}")
+        if request.lora is not None:  # an adapter's K/V differ from the base model's and another adapter's
+            parts.append(f"lora\x00{request.lora.uid}")
         return "\x00".join(parts).encode() if any(parts) else b""
 
     def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:

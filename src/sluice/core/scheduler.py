@@ -187,12 +187,14 @@ class Scheduler:
     def observe_step(self, plan: "StepPlan", seconds: float) -> None:
         """The engine's measured wall time of a step (for the latency target), and what
         the step held (last_mix, for the dashboard)."""
-        decode = sum(len(e.token_ids) for e in plan.scheduled if e.start_pos >= len(e.prompt_token_ids))
-        drafted = sum(len(e.draft_token_ids) for e in plan.scheduled)
+        decode = drafted = 0
+        for e in plan.scheduled:
+            if e.start_pos >= len(e.prompt_token_ids):
+                decode += len(e.token_ids)
+            drafted += len(e.draft_token_ids)
         self.last_mix = (plan.num_batched_tokens - decode, decode, drafted, seconds)
         if self.step_model is not None:
-            decodes = any(e.start_pos >= len(e.prompt_token_ids) for e in plan.scheduled)
-            self.step_model.observe(plan.num_batched_tokens, seconds, decodes)
+            self.step_model.observe(plan.num_batched_tokens, seconds, decode > 0)
         if self.spec is not None:
             self.spec.observe_step(plan.num_batched_tokens, seconds)
 

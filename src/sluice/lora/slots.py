@@ -54,11 +54,12 @@ class LoRAStep:
 class LoRALayer:
     """The LoRA slots of one Linear (models/linear.py calls it after the base product)."""
 
-    def __init__(self, max_loras: int, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device, kernel=None):
-        self.kernel, self.dtype, self.device = kernel, dtype, device
+    def __init__(self, manager: "LoRAManager", in_features: int, out_features: int):
+        # The step's rows by adapter are the manager's (one record a step for every layer).
+        self.manager = manager
+        self.kernel, self.dtype, self.device = manager.kernel, manager.backend.dtype, manager.backend.device
         self.in_features, self.out_features = in_features, out_features
-        self.step: LoRAStep | None = None
+        max_loras, dtype, device = manager.max_loras, self.dtype, self.device
         # The kernel's stacks (grown to the largest resident rank), and each slot's rank here.
         self.out_blocks = -(-out_features // RANK_LANES)
         self.at = torch.zeros(max_loras, in_features, 0, dtype=dtype, device=device)
@@ -91,7 +92,7 @@ class LoRALayer:
         return grown
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        step = self.step
+        step = self.manager.step
         if step is None:
             return y
         if self.kernel is not None:
@@ -121,6 +122,7 @@ class LoRAManager:
         self.resident: list[LoRAAdapter | None] = [None] * max_loras
         self.lru: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.kernel = backend.lora_kernel()
+        self.step: LoRAStep | None = None  # this step's rows by adapter (prepare); None: no adapter in it
         from sluice.models.linear import Linear
         # Every Linear an adapter may adapt: the owners of the model's q/k/v/o/gate/up/down
         # checkpoint tensors, experts apart.
@@ -132,10 +134,8 @@ class LoRAManager:
             module = modules.get(owner)
             if isinstance(module, Linear):
                 out_features, in_features = module.weight.shape
-                module.lora = self.layers[owner] = LoRALayer(max_loras, in_features, out_features, backend.dtype,
-                                                             backend.device, self.kernel)
+                module.lora = self.layers[owner] = LoRALayer(self, in_features, out_features)
         self.loads = 0  # adapters copied into a slot (for metrics and tests)
-        self.step: LoRAStep | None = None
         which = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 3}
         self.stack_places: dict[str, tuple[int, int]] = {}
         for owner in self.layers:
@@ -169,12 +169,9 @@ class LoRAManager:
                     adapter.rank, len(adapter.layers), adapter.nbytes / 1e6)
 
     def remove(self, name: str) -> LoRAAdapter:
-        """Forget an adapter: new requests cannot name it; requests already running with it
-        finish with it (its slot goes to the next adapter that needs one)."""
-        adapter = self.adapters.pop(name, None)
-        if adapter is None:
-            raise KeyError(name)
-        return adapter
+        """Forget a loaded adapter: new requests cannot name it; requests already running
+        with it finish with it (its slot goes to the next adapter that needs one)."""
+        return self.adapters.pop(name)
 
     def get(self, name: str) -> LoRAAdapter:
         adapter = self.adapters.get(name)
@@ -222,11 +219,10 @@ class LoRAManager:
         return sum(a is not None for a in self.resident)
 
     # -- one step ---------------------------------------------------------------
-    def prepare(self, entries, num_rows: int) -> bool:
+    def prepare(self, entries, num_rows: int) -> None:
         """Give this step's rows their adapters' slots (entries: the plan's, in flat-batch
         order, each `lora` an adapter or None; num_rows: the batch's rows, padding
-        included), loading adapters that are not resident. Returns whether any row has an
-        adapter (the model then skips its fused whole-step paths)."""
+        included), loading adapters that are not resident."""
         spans: dict[int, list[tuple[int, int]]] = {}
         adapters: dict[int, LoRAAdapter] = {}
         row = 0
@@ -255,8 +251,5 @@ class LoRAManager:
                     rows = (slice(*ranges[0]) if len(ranges) == 1 else
                             self.backend.to_device([r for lo, hi in ranges for r in range(lo, hi)]))
                     step.groups.append((slots[uid], rows))
-        for layer in self.layers.values():
-            layer.step = step
         self.step = step
         self.model.lora_step = step
-        return step is not None

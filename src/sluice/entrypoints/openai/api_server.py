@@ -193,8 +193,7 @@ class ServerConfig:
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="sluice", version=sluice.__version__)
     # Tenants' rate limits (quotas.py): rpm, tpm, max_tokens, max_concurrency of the file.
-    limited = {t.name: t.limits for t in config.tenants if t.limits.any}
-    quotas = RateLimiter(limited) if limited else None
+    quotas = RateLimiter.for_tenants(config.tenants)
     metrics.quotas = quotas
     serving = OpenAIServing(engine, config.served_model_name, config.limits, quotas)
     responses = ResponsesServing(serving)

@@ -111,6 +111,12 @@ class RateLimiter:
                                       Bucket(lim.tpm, now) if lim.tpm else None)
                          for name, lim in limits.items() if lim.any}
 
+    @classmethod
+    def for_tenants(cls, tenants) -> "RateLimiter | None":
+        """The limiter of a --tenants file's entries (TenantSpec), None where none has limits."""
+        limited = {t.name: t.limits for t in tenants if t.limits.any}
+        return cls(limited) if limited else None
+
     def limits(self, tenant: str) -> TenantLimits | None:
         st = self._tenants.get(tenant)
         return st.limits if st is not None else None

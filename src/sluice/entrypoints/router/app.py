@@ -132,8 +132,7 @@ def build_router_app(replicas: ReplicaSet, policy: RouterPolicy, config: ServerC
     # Tenants' rate limits (entrypoints/openai/quotas.py), held here so that they hold across
     # replicas: requests and concurrency counted as they pass, tokens as the replicas report
     # having served them (poll_usage).
-    limited = {t.name: t.limits for t in config.tenants if t.limits.any}
-    quotas = RateLimiter(limited) if limited else None
+    quotas = RateLimiter.for_tenants(config.tenants)
 
     async def poll_usage() -> None:
         """Forever: each replica's per-tenant token counters (its /metrics), the growth

@@ -6,8 +6,9 @@
 // with the resident adapters stacked per layer: at [S, K, R] (A_s transposed, so the shrink's
 // vectors run over the rank) and bt [S, ceil(N / 16), R, 16] (B_s transposed in blocks of 16
 // outputs, so the expand's vectors run over outputs and each block is read in one
-// sequential pass), R a multiple of 16 (zeros past a slot's rank and past N), ranks[s] the rank (summed over the fused layer's parts) of slot s's adapter
-// here, 0 where it does not adapt this layer. Float32 sums; the rank-sized middle rounded to
+// sequential pass), R a multiple of 16 (zeros past a slot's rank and past N), ranks[s] the
+// rank (summed over the fused layer's parts) of slot s's adapter here, 0 where it does not
+// adapt this layer. Float32 sums; the rank-sized middle rounded to
 // the model dtype, as PEFT's lora_A output is; y rounded once after the add.
 //
 // Each sum runs over its index in order with fused multiply-adds (16 lanes of independent
