@@ -113,6 +113,11 @@ class SchedulerConfig:
     # A step-time (so TPOT) target in ms: each step's token budget is sized from measured
     # step times to hold it (core/latency_target.py); None: the fixed budget.
     target_tpot_ms: float | None = None
+    # A bound on how long a stream stays out of the batch after a preemption: a preempted
+    # request that has streamed tokens is resumed ahead of new work, and once its last token
+    # is this many seconds old, running requests give way to it (core/scheduler.py,
+    # "Stalls"); None: it waits for room like any other request.
+    max_stream_stall_s: float | None = None
     # Plan step N + 1 and turn step N - 1's tokens into output while step N runs
     # (LLMEngine's overlap loop; vLLM's async scheduling, SGLang's overlap scheduler).
     # None: where the device's backend says it pays (a GPU: yes; a CPU: no).
@@ -235,6 +240,8 @@ class EngineConfig:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {s.max_pinned_fraction}")
         if s.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {s.max_sessions}")
+        if s.max_stream_stall_s is not None and not s.max_stream_stall_s > 0:
+            raise ValueError(f"max_stream_stall_s must be > 0 seconds, got {s.max_stream_stall_s}")
         if s.target_tpot_ms is not None and not s.target_tpot_ms > 0:
             raise ValueError(f"target_tpot_ms must be > 0 ms, got {s.target_tpot_ms}")
         g = self.structured

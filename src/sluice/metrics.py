@@ -49,6 +49,8 @@ class Metrics:
                                        "those give back blocks behind their window)", labels + ["layer_kind"],
                                        registry=r)
         self.preemptions = Counter("sluice_num_preemptions", "Requests preempted (recomputed later)", labels, registry=r)
+        self.stall_resumptions = Counter("sluice_num_stall_resumptions",
+                                         "Preempted streams brought back by --max-stream-stall", labels, registry=r)
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of admitted requests", labels, registry=r)
         self.generation_tokens = Counter("sluice_generation_tokens", "Generated tokens", labels, registry=r)
         self.requests = Counter("sluice_requests_finished", "Finished requests by reason", labels + ["finished_reason"], registry=r)
@@ -155,6 +157,7 @@ class Metrics:
         self._tenant_labels: set[str] = set()
         self._session_seen: dict[str, int] = {}
         self._preemptions_seen = 0
+        self._stall_resumptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
 
@@ -184,6 +187,8 @@ class Metrics:
             self.kv_blocks_by_kind.labels(m, kind).set(sum(used[g] for g in groups))
         # The engine's own counts restart from 0 if it is reset after a failure.
         self.preemptions.labels(m).inc(_delta(sched.num_preemptions, self._preemptions_seen))
+        self.stall_resumptions.labels(m).inc(_delta(sched.num_stall_resumptions, self._stall_resumptions_seen))
+        self._stall_resumptions_seen = sched.num_stall_resumptions
         self.prefix_queries.labels(m).inc(_delta(kv.query_tokens, self._queries_seen))
         self.prefix_hits.labels(m).inc(_delta(kv.hit_tokens, self._hits_seen))
         self._preemptions_seen, self._queries_seen, self._hits_seen = (

@@ -97,6 +97,15 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # The scheduler's clock at its last sampled token (None: none yet), and its output
+        # count when it was last admitted: a request resumed after a preemption that has not
+        # sampled since is not preempted again while others can give way (its stall would
+        # only grow), and a stalled stream is resumed by how old its last token is.
+        self.last_token_time: float | None = None
+        self.outputs_at_admission = 0
+        # The n > 1 children of one request, which its client reads as one stream: a token
+        # of any of them is that stream's last token (None: it is alone).
+        self.siblings: list[Request] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

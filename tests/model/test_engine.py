@@ -93,6 +93,22 @@ def test_preemption_by_recompute_gives_the_same_tokens(tiny_checkpoint, referenc
     assert_all_blocks_free(llm)
 
 
+def test_bounded_stalls_rotate_streams_and_keep_the_tokens(tiny_checkpoint, tiny_llm):
+    """--max-stream-stall: six 5-token prompts generating 40 tokens all run at once in a
+    10-block cache until each needs its second block, so streams with tokens are preempted.
+    A bound far below a step's time makes every preempted stream overdue at once (whatever
+    the machine's speed), so streams rotate every step; greedy tokens are unchanged."""
+    prompts = prompts_of_lengths(tiny_llm.tokenizer, [5] * 6, seed=3)
+    params = SamplingParams(max_tokens=40, speculative=False, **GREEDY)
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=10, max_stream_stall_s=1e-9)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    sched = llm.engine.scheduler
+    assert sched.num_stall_resumptions > 0 and sched.num_preemptions >= sched.num_stall_resumptions
+    assert_all_blocks_free(llm)
+
+
 def test_continuous_batching_interleaves_requests(tiny_llm):
     """Requests join and leave between steps: a late request runs beside earlier ones. They
     do not draft (a draft could emit several tokens a step, as the speculation gate decides

@@ -124,3 +124,29 @@ def test_bench_agents_runs_programs_and_reports_per_class_and_tenant(server):
     assert report["prefix_hit_rate"] > 0.3
     assert set(report["tenants"]) == {p.tenant for p in programs}
     assert all(c["programs"] == sum(p.kind == k for p in programs) for k, c in report["classes"].items())
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_calls_tool_calls_reach_its_session(server, stream):
+    """A session's chat call that ends in a tool call tells the engine which tool it called
+    (its pin's TTL then follows that tool's gaps, core/sessions.py)."""
+    sid = f"tool-session-{stream}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": HISTORY}], "max_tokens": 60,
+            "temperature": 0, "session_id": sid, "tools": [WEATHER], "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stream": stream}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        assert '"finish_reason":"tool_calls"' in r.text.replace(" ", "")
+    else:
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    # The note is sent to the engine thread without waiting; a request sent after it is
+    # handled after it (one command queue), so once this one is answered the note is in.
+    assert call(server.url).status_code == 200
+    session = server.llm.scheduler.sessions.get(("", sid))
+    assert session is not None and session.tools == ("get_weather",)

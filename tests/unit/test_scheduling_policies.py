@@ -293,6 +293,55 @@ def test_ttl_expiry_and_adaptive_ttl_on_a_fake_clock():
     assert s.sessions.ttl(sess) == 0 and s.sessions.num_pinned == 0
 
 
+def call(s: Scheduler, clock: Clock, rid: str, session: str, tools: list[str] | None = None, after: float = 0.0,
+         tenant: str = "") -> Request:
+    """A session's call arriving `after` seconds from now, run to its end; the server then
+    says which tools it called."""
+    clock.t += after
+    r = req(rid, 14, session_id=session, tenant=tenant)
+    s.add_request(r)
+    admission_order(s)
+    if tools:
+        assert s.session_tool_called(tenant, session, tools)
+    return r
+
+
+def test_tool_aware_ttls_follow_each_tools_gaps_across_sessions():
+    # Continuum's tool-aware TTL: "search" takes ~20 s, "calc" ~1 s, whichever session
+    # calls them. Once seen, a call ending in a tool gets 1.5 x that tool's longest recent
+    # gap; another session's first call ending in it gets the same.
+    clock = Clock()
+    s = make(num_blocks=64, clock=clock, session_ttl_s=5.0, session_ttl_max_s=60.0)
+    call(s, clock, "a1", "a", ["search"])
+    a = s.sessions.get(("", "a"))
+    assert a.expires_at == pytest.approx(clock.t + 5.0)  # nothing seen yet: the default
+    call(s, clock, "a2", "a", ["calc"], after=20.0)      # the search took 20 s (pin expired)
+    assert a.expires_at == pytest.approx(clock.t + 30.0)  # the session's own gap: 1.5 x 20
+    call(s, clock, "a3", "a", ["search"], after=1.0)     # calc: 1 s
+    assert a.expires_at == pytest.approx(clock.t + 30.0)  # search: 1.5 x 20 (not the session's 1 s)
+    # A new session, first call ending in calc: the tool's TTL (1.5 x 1 s), not the default.
+    call(s, clock, "b1", "b", ["calc"])
+    b = s.sessions.get(("", "b"))
+    assert b.expires_at == pytest.approx(clock.t + 1.5)
+    assert s.sessions.num_pinned > 0
+    # Parallel calls wait for the slowest tool; a tool never seen falls back to the session.
+    call(s, clock, "b2", "b", ["calc", "search"], after=1.0)
+    assert b.expires_at == pytest.approx(clock.t + 30.0)
+    call(s, clock, "b3", "b", ["new-tool"], after=1.0)
+    assert b.expires_at == pytest.approx(clock.t + 1.5)   # b's own longest gap: 1 s
+    # Another tenant's tools are its own: its "search" has no history.
+    call(s, clock, "c1", "c", ["search"], tenant="t2")
+    c = s.sessions.get(("t2", "c"))
+    assert c.expires_at == pytest.approx(clock.t + 5.0)
+    # A tool slower than the longest TTL: no pin (recomputing is cheaper than holding it).
+    call(s, clock, "d1", "d", ["batch-job"])
+    call(s, clock, "d2", "d", after=90.0)
+    call(s, clock, "e1", "e", ["batch-job"])
+    e = s.sessions.get(("", "e"))
+    assert e.num_pinned == 0 and s.sessions.ttl(e) == 0
+    assert not s.session_tool_called("", "nobody", ["search"])
+
+
 def test_pinned_blocks_are_capped_soonest_to_expire_released_first():
     clock = Clock()
     s = make(num_blocks=32, clock=clock, max_pinned_fraction=0.25)  # at most 8 blocks
@@ -426,3 +475,102 @@ def test_a_tenant_flooding_sessions_pushes_out_its_own_pins_not_anothers():
     assert s.sessions.get(("A", "quiet")).num_pinned == 3
     assert s.sessions.num_pinned <= 16 and len(s.sessions.sessions) == 4
     assert sum(k[0] == "B" for k in s.sessions.sessions) == 3
+
+
+# -- stalls -----------------------------------------------------------------------
+
+def stream_gaps(s: Scheduler, clock: Clock, dt: float = 0.1) -> tuple[float, dict[str, list[str]]]:
+    """Run to the end, dt of fake clock a step: the longest gap between two tokens of a
+    stream, and each request's history of 'preempted' / 'token' events."""
+    last: dict[str, float] = {}
+    events: dict[str, list[str]] = {}
+    worst = 0.0
+    while s.has_unfinished_requests():
+        clock.t += dt
+        plan, upd = step(s)
+        for rid in plan.preempted:
+            events.setdefault(rid, []).append("preempted")
+        for r in upd.with_new_token:
+            events.setdefault(r.request_id, []).append("token")
+            if r.request_id in last:
+                worst = max(worst, clock.t - last[r.request_id])
+            last[r.request_id] = clock.t
+    return worst, events
+
+
+def streams(s: Scheduler, n: int = 12, max_tokens: int = 40) -> list[Request]:
+    rs = [req(f"r{i}", 4 + i, max_tokens=max_tokens, arrival=i * 0.01) for i in range(n)]
+    for r in rs:
+        s.add_request(r)
+    return rs
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "program", "fair"])
+def test_max_stream_stall_bounds_the_gap_between_a_streams_tokens(policy):
+    # 12 streams of up to 55 tokens in 64 slots: a few fit at once, the rest are preempted
+    # over and over. Unbounded, a stream waited 13-16 s between two tokens (the test's
+    # fake clock, 0.1 s a step); with a 2 s bound, never more than the bound and two steps.
+    clock = Clock(0.0)
+    s = make(num_blocks=16, budget=64, clock=clock, policy=policy, session_ttl_s=0)
+    streams(s)
+    unbounded, _ = stream_gaps(s, clock)
+    assert unbounded > 10.0
+
+    clock = Clock(0.0)
+    s = make(num_blocks=16, budget=64, clock=clock, policy=policy, session_ttl_s=0, max_stream_stall_s=2.0)
+    rs = streams(s)
+    worst, events = stream_gaps(s, clock)
+    assert worst <= 2.0 + 0.2 + 1e-9
+    assert s.num_stall_resumptions > 0
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 40 for r in rs)
+    assert s.kv.num_free_blocks == 16 and not s.running and not s.waiting
+    # Rotation makes progress: between two preemptions, a request samples a token.
+    for history in events.values():
+        assert "preempted,preempted" not in ",".join(history)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "program", "fair"])
+def test_siblings_of_one_stream_share_its_stall_bound(policy):
+    # n = 2: the client reads the two children as one stream. A child still queued when
+    # its sibling has finished (or was preempted) is that stream's gap: unbounded 4-5 s
+    # here; with the bound, the child is resumed like a preempted one.
+    def run(bound):
+        clock = Clock(0.0)
+        s = make(num_blocks=16, budget=64, clock=clock, policy=policy, session_ttl_s=0, max_stream_stall_s=bound)
+        for g in range(6):
+            pair = [req(f"g{g}#{i}", 4 + g, max_tokens=40 - 15 * i, arrival=g * 0.01) for i in range(2)]
+            for r in pair:
+                r.siblings, r.share_key = pair, f"g{g}"
+                s.add_request(r)
+        last: dict[str, float] = {}
+        worst = 0.0
+        while s.has_unfinished_requests():
+            clock.t += 0.1
+            _, upd = step(s)
+            for r in upd.with_new_token:
+                if r.share_key in last:
+                    worst = max(worst, clock.t - last[r.share_key])
+                last[r.share_key] = clock.t
+        assert s.kv.num_free_blocks == 16
+        return worst
+    assert run(None) > 3.5
+    assert run(2.0) <= 2.0 + 0.1 + 1e-9
+
+
+def test_a_resumed_request_is_not_preempted_again_before_it_samples():
+    # fcfs preempts the latest admitted: without the rule, that was often the request just
+    # resumed, still recomputing its context in chunks (6 times in this run), its work
+    # thrown away again; now a request preempted twice has sampled in between.
+    clock = Clock(0.0)
+    s = make(num_blocks=16, budget=32, clock=clock)
+    rs = streams(s)
+    _, events = stream_gaps(s, clock)
+    assert s.num_preemptions > 0
+    assert all(r.num_output_tokens == 40 for r in rs)
+    for history in events.values():
+        assert "preempted,preempted" not in ",".join(history)
+
+
+def test_max_stream_stall_must_be_positive():
+    with pytest.raises(ValueError, match="max_stream_stall_s"):
+        EngineConfig.from_kwargs(model="x", max_stream_stall_s=0).validate()

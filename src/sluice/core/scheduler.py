@@ -32,6 +32,19 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             the tenant with the highest counter is preempted.
 Sessions (pinned KV between calls) work under every policy.
 
+Stalls. A request resumed after a preemption that has not sampled a token since is the
+last a policy preempts (under fcfs, whose victim is the latest admitted, it was otherwise
+preempted again at once, over and over: a 96-client run on a small cache saw a stream
+wait 11.6 s between two tokens). With SchedulerConfig.max_stream_stall_s, a waiting
+request whose stream has had tokens (its own, or for n > 1 its siblings': the client reads
+one stream) is resumed ahead of new work (oldest last token first),
+and once its last token is that old, running requests that have sampled since their own
+admission are preempted (the policy's victim order among them) to make room and a seat
+for it at the start of the step. So a stream's tokens stop for at most the bound plus the
+recompute of its context (one step for a context within the step's token budget), as
+long as some running request has made progress to give way; each resumption yields a
+token before its request can be taken out again, so rotation never livelocks.
+
 Asynchronous scheduling (SchedulerConfig.async_scheduling; the engine's overlap loop):
 step N is planned while step N - 1 still runs. advance(plan) counts a launched step's
 tokens as computed at once and gives each request it samples for one pending token, so the
@@ -155,6 +168,15 @@ class Scheduler:
         """Drop a session's pinned blocks (DELETE /v1/sessions/{id}); None if unknown."""
         return self.sessions.release((tenant, session_id))
 
+    def session_tool_called(self, tenant: str, session_id: str, names: list[str]) -> bool:
+        """The session's call that just ended called these tools (its pin's TTL follows
+        them, core/sessions.py); False if the session is unknown."""
+        s = self.sessions.get((tenant, session_id))
+        if s is None:
+            return False
+        self.sessions.tool_called(s, names)
+        return True
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, clock=time.monotonic,
                  speculator: Speculator | None = None, max_loras: int | None = None):
         if config.max_num_batched_tokens is None:
@@ -167,6 +189,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_stall_resumptions = 0  # streams brought back by max_stream_stall_s
         self.sessions = SessionTable(kv.pool, config.session_ttl_s, config.session_ttl_max_s,
                                      config.max_pinned_fraction, config.max_sessions, clock)
         self.tenants = TenantCounters(config.tenant_weights)
@@ -234,6 +257,11 @@ class Scheduler:
                 waiting = [r for r in waiting if r.lora is None or r.lora.uid in running]
                 if not waiting:
                     return None
+        if self.config.max_stream_stall_s is not None:
+            # The bounded stall: a stream out of the batch goes first, the oldest last token first.
+            stalled = [r for r in waiting if r.last_token_time is not None]
+            if stalled:
+                return min(stalled, key=lambda r: r.last_token_time)
         if policy == "fcfs":
             return waiting[0]
         if policy == "priority":
@@ -285,11 +313,20 @@ class Scheduler:
             return False
         return door_open
 
-    def _victim(self) -> Request:
-        """The running request the policy preempts when the pool runs dry."""
+    @staticmethod
+    def _resumed_idle(req: Request) -> bool:
+        """Resumed after a preemption and not sampled since: preempting it again only
+        lengthens its stall."""
+        return req.num_preemptions > 0 and req.num_output_tokens == req.outputs_at_admission
+
+    def _victim(self, candidates: list[Request] | None = None) -> Request:
+        """The running request (of candidates, default all) the policy preempts when the
+        pool runs dry; one resumed and not sampled since only when no other is left."""
+        candidates = self.running if candidates is None else candidates
+        candidates = [r for r in candidates if not self._resumed_idle(r)] or candidates
         policy = self.config.policy
         if policy == "fcfs":
-            return self.running[-1]
+            return candidates[-1]
         order = {id(r): i for i, r in enumerate(self.running)}  # later admitted = later
         if policy == "priority":
             key = lambda r: (r.priority, r.arrival_time, order[id(r)])  # noqa: E731
@@ -297,7 +334,59 @@ class Scheduler:
             key = lambda r: (self._service(r), r.arrival_time, order[id(r)])  # noqa: E731
         else:
             key = lambda r: (self.tenants.counter(r.tenant), r.arrival_time, order[id(r)])  # noqa: E731
-        return max(self.running, key=key)
+        return max(candidates, key=key)
+
+    def _resume_overdue(self, now: float, budget: int, scheduled: dict, decisions: list[str],
+                        preempted: list[str]) -> int:
+        """max_stream_stall_s: bring back each preempted stream whose last token is that old,
+        preempting running requests that have sampled since their admission for its blocks
+        and seat; it is planned first, leaving a token of budget per running request.
+        Returns the budget left."""
+        bound = self.config.max_stream_stall_s
+        if bound is None or not self.waiting:
+            return budget
+        overdue = sorted((r for r in self.waiting if r.last_token_time is not None
+                          and now - r.last_token_time >= bound), key=lambda r: r.last_token_time)
+        for req in overdue:
+            if budget <= 0:
+                break
+            if self.max_loras is not None and req.lora is not None:
+                adapters = {r.lora.uid for r in self.running if r.lora is not None}
+                if req.lora.uid not in adapters and len(adapters) >= self.max_loras:
+                    continue  # its adapter has no slot: it waits as admission would have it
+            while True:
+                prefix = self.kv.find_cached_prefix(req)
+                n = max(1, min(req.num_tokens - prefix.num_tokens, budget - len(self.running)))
+                n = min(n, budget)
+                if len(self.running) < self.config.max_num_seqs and self.kv.allocate(req, n, prefix) is not None:
+                    break
+                movable = [r for r in self.running if r.num_output_tokens > r.outputs_at_admission]
+                if not movable:
+                    return budget  # nobody has made progress to give way yet: it waits
+                victim = self._victim(movable)
+                decisions.append(f"preempt {victim.request_id} for stalled {req.request_id} "
+                                 f"({now - req.last_token_time:.1f}s)")
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+            self.waiting.remove(req)
+            self._admit(req, prefix)
+            self.num_stall_resumptions += 1
+            scheduled[req.request_id] = self._plan_entry(req, n)
+            budget -= n
+        return budget
+
+    def _admit(self, req: Request, prefix) -> None:
+        """A waiting request whose blocks are allocated joins the running batch."""
+        if req.session is not None:
+            self.sessions.call_admitted(req.session)
+        req.num_computed_tokens += prefix.num_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = prefix.num_tokens
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.outputs_at_admission = req.num_output_tokens
+        self.running.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -328,6 +417,7 @@ class Scheduler:
         self.last_decisions = decisions
         if self.sessions.num_pinned:
             self.sessions.expire(now)
+        budget = self._resume_overdue(now, budget, scheduled, decisions, preempted)
 
         # Decodes first (stable sort keeps admission order within each group), so a
         # long prompt chunk never stalls tokens of requests already generating.
@@ -340,8 +430,8 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
+                continue  # preempted earlier in this loop, or resumed (planned) above
             if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
                                     or req.num_tokens + req.num_pending >= self.max_model_len):
                 continue  # the token in flight is its last: it ends when that step is processed
@@ -410,15 +500,7 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
                 decisions.append(f"admit {req.request_id} ({self.config.policy})")
-            if req.session is not None:
-                self.sessions.call_admitted(req.session)
-            req.num_computed_tokens += prefix.num_tokens
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = prefix.num_tokens
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
+            self._admit(req, prefix)
             if req.num_computed_tokens + n < req.num_prompt_tokens:
                 prefilling.append(req)
                 if reserve is not None:
@@ -515,6 +597,7 @@ class Scheduler:
         with_new_token: list[Request] = []
         finished: list[Request] = []
         num_new: dict[str, int] = {}
+        now = self.clock()
         step_drafted = step_accepted = 0
         for entry in plan.scheduled:
             req = self.requests.get(entry.request_id)
@@ -554,6 +637,8 @@ class Scheduler:
             preempted = req.status is RequestStatus.PREEMPTED
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            for r in req.siblings or (req,):
+                r.last_token_time = now  # (one stream to the client, whichever child sampled)
             with_new_token.append(req)
             for i, sampled in enumerate(tokens):
                 if i:

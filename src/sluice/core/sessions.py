@@ -4,8 +4,10 @@ A session is one agent program (its calls name the same `session_id`). When a ca
 ends, the full KV blocks of its prompt and output stay pinned (one extra reference each,
 so the pool's LRU cannot evict them) for a time-to-live, and the session's next call,
 which re-sends that history, finds them as a cached prefix and computes only its new
-turn. That is Continuum's idea (arXiv 2511.02230); the TTL adapts per session from the
-gaps between its calls (below). A session also counts its attained service, the tokens
+turn. That is Continuum's idea (arXiv 2511.02230); the TTL adapts from the gaps between
+calls (ttl() below): per tool, when the server has said which tools the call ended by
+calling (tool_called(); Continuum's tool-aware TTL: a web search and a code run take
+different times, whichever session calls them), else per session. A session also counts its attained service, the tokens
 computed for all its calls so far, which the `program` policy orders by (Autellix's
 PLAS, arXiv 2502.13965).
 
@@ -51,6 +53,8 @@ MAX_TENANTS = 4096
 # The adaptive TTL: this many times the longest of the session's last GAP_HISTORY gaps.
 TTL_GAP_FACTOR = 1.5
 GAP_HISTORY = 8
+# Tools whose gaps are remembered (per tenant and name; the least recently seen forgotten).
+MAX_TOOLS = 4096
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Session:
     calls: int = 0
     active: int = 0                      # calls queued or running now
     held_at_door: bool = False           # its first call waited at `program`'s door
+    tools: tuple[str, ...] = ()          # the tools its last call ended by calling
 
     @property
     def num_pinned(self) -> int:
@@ -101,6 +106,8 @@ class SessionTable:
         self.pinned: dict[tuple[str, str], Session] = {}
         self.num_pinned = 0
         self.stats = SessionStats()
+        # (tenant namespace, tool name) -> the gaps seen after calls that called it.
+        self.tool_gaps: OrderedDict[tuple[str, str], deque] = OrderedDict()
 
     # -- lookup -----------------------------------------------------------------
     def get(self, key: tuple[str, str]) -> Session | None:
@@ -116,7 +123,16 @@ class SessionTable:
         else:
             self.sessions.move_to_end(key)
             if s.last_end is not None and s.active == 0:
-                s.gaps.append(now - s.last_end)
+                gap = now - s.last_end
+                s.gaps.append(gap)
+                for name in s.tools:
+                    key = (s.key[0], name)
+                    gaps = self.tool_gaps.pop(key, None) or deque(maxlen=GAP_HISTORY)
+                    gaps.append(gap)
+                    self.tool_gaps[key] = gaps
+                    if len(self.tool_gaps) > MAX_TOOLS:
+                        self.tool_gaps.popitem(last=False)
+        s.tools = ()
         s.calls += 1
         s.active += 1
         self._bound()
@@ -139,14 +155,20 @@ class SessionTable:
 
     # -- pins -------------------------------------------------------------------
     def ttl(self, s: Session) -> float:
-        """How long to hold a session's blocks after a call: the default until the session
-        has shown a gap, then TTL_GAP_FACTOR x its longest recent gap (the next call is
-        expected within it), at most ttl_max_s. A session whose gaps run past ttl_max_s
-        gets no pin at all: holding the blocks that long would cost more cache than
-        recomputing its prompt costs time (0 returned)."""
-        if not s.gaps:
+        """How long to hold a session's blocks after a call: TTL_GAP_FACTOR x the longest
+        recent gap that predicts its next call (it is expected within that), at most
+        ttl_max_s. The gaps that predict it: those seen after calls of the tools this call
+        ended by calling (of any of the tenant's sessions; the slowest tool of a parallel
+        call), once each has been seen; else the session's own; else the default TTL. A
+        gap past ttl_max_s gets no pin at all: holding the blocks that long would cost more
+        cache than recomputing its prompt costs time (0 returned)."""
+        tools = [self.tool_gaps.get((s.key[0], name)) for name in s.tools]
+        if tools and all(tools):
+            longest = max(max(g) for g in tools)
+        elif s.gaps:
+            longest = max(s.gaps)
+        else:
             return self.ttl_s
-        longest = max(s.gaps)
         if longest > self.ttl_max_s:
             return 0.0
         return min(self.ttl_max_s, max(TTL_GAP_FACTOR * longest, 1.0))
@@ -180,6 +202,20 @@ class SessionTable:
         over = self.num_pinned - self.max_pinned
         if over > 0:
             self.stats.evicted_for_cap += self._release_soonest(over, keep=s)
+
+    def tool_called(self, s: Session, names: list[str]) -> None:
+        """The server parsed the call that just ended: it called these tools, so the gap
+        to the session's next call is theirs. A pin already set gets their TTL (from the
+        call's end)."""
+        if s.active:
+            return  # the next call is already here: nothing to predict
+        s.tools = tuple(dict.fromkeys(names))
+        if s.key in self.pinned and s.last_end is not None:
+            ttl = self.ttl(s)
+            if ttl <= 0:
+                self._unpin(s)
+            else:
+                s.expires_at = s.last_end + ttl
 
     def call_admitted(self, s: Session) -> None:
         """The session's call was admitted with its cached prefix taken: the call holds

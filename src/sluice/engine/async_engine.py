@@ -180,6 +180,11 @@ class AsyncEngine:
         if the tenant has no such session."""
         return await self.call(lambda e: e.release_session(session_id, tenant))
 
+    def note_tool_calls(self, session_id: str, names: list[str], tenant: str | None) -> None:
+        """A session's call ended by calling these tools (its pin's TTL follows them); sent
+        to the engine thread without waiting for it: the response is not held for it."""
+        self._send(("note", lambda e: e.session_tool_called(session_id, names, tenant)))
+
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str | None = None, deadline: float | None = None,
                keepalive_s: float | None = None, scheduling: dict | None = None,
@@ -421,6 +426,11 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_set_exception, done, e)
                 else:
                     loop.call_soon_threadsafe(_set_result, done, result)
+            elif cmd[0] == "note" and refuse is None:
+                try:
+                    cmd[1](self.engine)
+                except Exception:  # a hint lost, nothing more: the TTL falls back to the session's
+                    logger.exception("engine note failed")
             elif cmd[0] == "abort" and refuse is None:
                 rid = cmd[1]
                 if rid in self._streams:

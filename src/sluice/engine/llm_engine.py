@@ -236,6 +236,8 @@ class LLMEngine:
                                     share_key=request_id if params.n > 1 else None,
                                     session_id=session_id, tenant=tenant or "", priority=priority,
                                     lora=adapter))
+            if params.n > 1:
+                children[-1].siblings = children
             if grammar is not None:
                 own = grammar if i == 0 else grammar.copy()
                 if self.reasoning is not None and not self.reasoning.ended_in_prompt(ids):
@@ -472,6 +474,15 @@ class LLMEngine:
         tenant has no such session."""
         check_scheduling_fields(session_id, tenant, 0)
         return self.scheduler.release_session(tenant or "", session_id)
+
+    def session_tool_called(self, session_id: str, names: list[str], tenant: str | None = None) -> bool:
+        """A session's call that just ended called these tools: the time its KV stays
+        pinned follows how long they have taken before (per tool name and tenant).
+        Returns False if the tenant has no such session."""
+        check_scheduling_fields(session_id, tenant, 0)
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"names must be a list of tool names, got {names!r}")
+        return self.scheduler.session_tool_called(tenant or "", session_id, names)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.outputs.has_pending()

@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hold each step (so each running request's time per output token) to this many ms by "
                         "sizing the step's token budget from measured step times; fewer prompt tokens per step "
                         "when it would break (default: none, the fixed --max-num-batched-tokens)")
+    g.add_argument("--max-stream-stall", type=float, default=None,
+                   help="bound, in seconds, on how long a preempted stream waits for its next token: it is "
+                        "resumed ahead of new requests, and once its last token is this old, running requests "
+                        "that have made progress give way to it (default: none, it waits for free KV blocks)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step and turn the last step's tokens into output while the device runs "
                         "the current one (default: on where it pays, a GPU; off on a CPU, where nothing overlaps)")
@@ -135,7 +139,8 @@ def engine_kwargs(args) -> dict:
                 cpu_isa=args.cpu_isa, policy=args.scheduling_policy, starvation_s=args.starvation_timeout,
                 session_ttl_s=args.session_ttl, session_ttl_max_s=args.session_ttl_max,
                 max_pinned_fraction=args.max_pinned_fraction, max_sessions=args.max_sessions,
-                target_tpot_ms=args.target_tpot_ms, async_scheduling=args.async_scheduling,
+                target_tpot_ms=args.target_tpot_ms, max_stream_stall_s=args.max_stream_stall,
+                async_scheduling=args.async_scheduling,
                 grammar_cache_size=args.grammar_cache_size,
                 grammar_compile_timeout_s=args.grammar_compile_timeout, reasoning_parser=args.reasoning_parser,
                 speculative_method=None if args.speculative_method == "off" else args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,

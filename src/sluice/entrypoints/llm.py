@@ -92,6 +92,11 @@ class LLM:
         """Drop a session's pinned KV now; returns how many blocks it held (None: unknown)."""
         return self.engine.release_session(session_id, tenant)
 
+    def session_tool_called(self, session_id: str, names: list[str], tenant: str | None = None) -> bool:
+        """The session's last call ended by calling these tools: its KV stays pinned for as
+        long as they have taken before. False if the session is unknown."""
+        return self.engine.session_tool_called(session_id, names, tenant)
+
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm, lora=None, **scheduling) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -323,6 +323,7 @@ class ResponsesServing:
         c = final.outputs[0]
         reasoning, answer = s.split_reasoning(c.text, started.prompt_ids[0])
         content, calls = tools.parse(answer)
+        s.tools_called(started, [k.name for k in calls])
         output = output_items(content, calls, reasoning)
         incomplete = "max_output_tokens" if c.finish_reason == "length" else None
         thought = reasoning_tokens(c.token_ids, s.reasoning.end_id) if reasoning else 0
@@ -407,6 +408,7 @@ class ResponsesServing:
                     resp = response_object(rid, req, model, "incomplete" if incomplete else "completed", output,
                                            response_usage(len(started.prompt_ids[0]), len(c.token_ids),
                                                           out.num_cached_tokens, thought), incomplete)
+                    s.tools_called(started, [it["name"] for it in output if it["type"] == "function_call"])
                     self._keep(req, tenant, resp, conversation, session_id)
                     yield ev("response.incomplete" if incomplete else "response.completed", response=resp)
         except _ENGINE_ERRORS as e:

@@ -201,6 +201,8 @@ class _Started:
     # tokens so far (charged when the request ends).
     ticket: Ticket | None = None
     output_tokens: list[int] = field(default_factory=list)
+    # (session_id, tenant) of a call in a session, else None.
+    session: tuple[str, str] | None = None
 
 
 @dataclass
@@ -265,6 +267,12 @@ class OpenAIServing:
                                 f"{num_seqs} (max_waiting={limit}); retry later",
                            code="overloaded", headers={"Retry-After": "1"})
 
+    def tools_called(self, started: _Started, names: list[str]) -> None:
+        """A session's call ended by calling these tools: tell the engine, whose pin of the
+        session's KV then lasts as long as they have taken before (core/sessions.py)."""
+        if started.session is not None and names:
+            self.engine.note_tool_calls(started.session[0], names, started.session[1])
+
     async def _start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
                      salt: str | None, deadline: float | None, stream: bool,
                      scheduling: dict | None = None) -> _Started:
@@ -293,6 +301,8 @@ class OpenAIServing:
                 raise APIError(400, str(e), param="max_tokens", code="rate_limit_exceeded") from None
         rids = [f"{base_id}-{i}" for i in range(len(prompts))]
         started = _Started(rids, [], [], ticket, [0] * len(prompts))
+        if (scheduling or {}).get("session_id") is not None:
+            started.session = (scheduling["session_id"], tenant)
         futures = []
         try:
             for i, (rid, p) in enumerate(zip(rids, prompts)):
@@ -587,6 +597,7 @@ class OpenAIServing:
             if reasoning is not None and not content:
                 content = None  # all of it was thinking
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            self.tools_called(started, [k.name for k in calls])
             choices.append(ChatChoice(
                 index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                            tool_calls=[k.as_openai() for k in calls] or None),
@@ -714,6 +725,7 @@ class OpenAIServing:
                         finish = c.finish_reason
                         if finish == "stop" and c.index in parsers and parsers[c.index].calls:
                             finish = "tool_calls"
+                            self.tools_called(started, [k.name for k in parsers[c.index].calls])
                         yield emit(out, ChatStreamChoice(
                             index=c.index, delta=DeltaMessage(), finish_reason=finish))
             if req.stream_options and req.stream_options.include_usage:
