@@ -154,6 +154,9 @@ class Sim:
                 p["history"] = list(req.prompt_token_ids) + list(req.output_token_ids)
                 p["call"] += 1
                 if p["call"] < len(p["tools"]) + 1:
+                    if self.args.tool_hints and p["tool_names"]:
+                        # What the server does when a chat call ends in tool calls.
+                        self.sched.session_tool_called("t", p["id"], [p["tool_names"][p["call"] - 1]])
                     p["history"] += p["tools"][p["call"] - 1]
                     seq += 1
                     heapq.heappush(events, (self.now + p["gaps"][p["call"] - 1], seq, i))
@@ -194,13 +197,13 @@ def load(args) -> list[dict]:
     ns = argparse.Namespace(seed=args.seed, tokenizer=None, model=args.tokenizer, tenant=[], programs=args.programs,
                             short_frac=0.7, short_calls=(2, 3), long_calls=(8, 12), tool_len=(60, 120),
                             system_len=300, program_rate=args.program_rate, tool_median=args.tool_median,
-                            tool_sigma=1.0, tool_max=20.0, only_tenant=None)
+                            tool_sigma=args.tool_sigma, tool_max=20.0, only_tenant=None, tools=args.tools)
     tok = _tokenizer(args.tokenizer)
     out = []
     for p in make_programs(ns):
         out.append({"id": p.program_id, "kind": p.kind, "start": p.start_delay,
                     "first": tok.encode(p.first_prompt), "tools": [tok.encode(t) for t in p.tool_results],
-                    "gaps": p.tool_gaps})
+                    "gaps": p.tool_gaps, "tool_names": p.tool_names})
     return out
 
 
@@ -226,6 +229,10 @@ def main(argv=None) -> int:
     r.add_argument("--programs", type=int, default=96)
     r.add_argument("--program-rate", type=float, default=0.5)
     r.add_argument("--tool-median", type=float, default=1.0)
+    r.add_argument("--tool-sigma", type=float, default=1.0)
+    r.add_argument("--tools", type=int, default=0, help="named tools of different medians (bench agents --tools)")
+    r.add_argument("--tool-hints", action="store_true",
+                   help="tell the scheduler each call's tool as it ends (tool-aware session TTLs)")
     r.add_argument("--output-len", type=int, default=32)
     r.add_argument("--kv-gib", type=float, default=0.25)
     r.add_argument("--policy", default="fcfs")

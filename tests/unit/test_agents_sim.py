@@ -26,7 +26,8 @@ def sim():
 def args(**kw) -> argparse.Namespace:
     base = dict(tokenizer="smollm2-135m", programs=12, program_rate=2.0, tool_median=1.0, output_len=8,
                 kv_gib=0.05, policy="fcfs", sessions=False, starvation_s=30.0, max_pinned_fraction=0.5,
-                max_num_batched_tokens=256, seed=0, variant=None, slowdown=1.0)
+                max_num_batched_tokens=256, seed=0, variant=None, slowdown=1.0, tool_sigma=1.0, tools=0,
+                tool_hints=False)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -37,9 +38,15 @@ def programs(sim):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(policy="program", sessions=True),
-                                dict(policy="program", sessions=True, variant="nodoor")])
+                                dict(policy="program", sessions=True, variant="nodoor"),
+                                dict(policy="program", sessions=True, tools=4, tool_hints=True)])
 def test_every_program_finishes_and_no_block_leaks(sim, programs, kw):
     a = args(**kw)
+    if a.tools:
+        programs = sim.load(a)
+        names = {n for p in programs for n in p["tool_names"]}
+        assert names and names <= {f"tool-{k}" for k in range(4)}
+        assert all(len(p["tool_names"]) == len(p["gaps"]) for p in programs)
     s = sim.Sim(a, COEF)
     runs = [copy.deepcopy(programs) for _ in range(2)]
     report = s.run(runs[0])
@@ -50,6 +57,8 @@ def test_every_program_finishes_and_no_block_leaks(sim, programs, kw):
     # Only pins (sessions) may still hold blocks once every call has ended.
     assert s.kv.num_free_blocks + s.sched.sessions.num_pinned == s.kv.num_blocks
     assert not s.sched.has_unfinished_requests()
+    if a.tool_hints:
+        assert s.sched.sessions.tool_gaps  # the tools' gaps were learned
     # Same seed, same flags: the same run, to the step.
     again = sim.Sim(a, COEF).run(runs[1])
     assert again == report

@@ -323,6 +323,9 @@ def test_tool_aware_ttls_follow_each_tools_gaps_across_sessions():
     call(s, clock, "b1", "b", ["calc"])
     b = s.sessions.get(("", "b"))
     assert b.expires_at == pytest.approx(clock.t + 1.5)
+    # Pins are pushed out (cap, room) in the order of the session's own TTLs, not the
+    # tools': else the pin whose tool returns soonest went first, just before its call.
+    assert b.release_order == pytest.approx(clock.t + 5.0)
     assert s.sessions.num_pinned > 0
     # Parallel calls wait for the slowest tool; a tool never seen falls back to the session.
     call(s, clock, "b2", "b", ["calc", "search"], after=1.0)

@@ -3,7 +3,8 @@
 A program is a chain of calls. Call 1's prompt is the program's own system text and task;
 every later call re-sends the whole history (each earlier prompt's new part, each reply)
 plus a new tool result, after a tool gap drawn from a heavy-tailed distribution (log-
-normal, median --tool-median s, capped at --tool-max s). A share of the programs are
+normal, median --tool-median s, capped at --tool-max s; with --tools K, each gap is one of
+K named tools', whose medians spread from --tool-median / 8 to x 8). A share of the programs are
 short (--short-calls calls), the rest long (--long-calls). Programs arrive as a Poisson
 process (--program-rate per second) and belong to tenants in the shares given by
 --tenant NAME=SHARE (a tenant is sent as the `user` field). With --sessions every call
@@ -37,6 +38,7 @@ class Program:
     first_prompt: str
     tool_results: list[str]      # one per call after the first
     tool_gaps: list[float]
+    tool_names: list[str] = field(default_factory=list)  # with --tools: the tool of each gap
 
 
 @dataclass
@@ -75,10 +77,21 @@ def make_programs(args) -> list[Program]:
     t, out = 0.0, []
     for i, (kind, n) in enumerate(zip(kinds, calls)):
         t += rng.expovariate(args.program_rate)
-        gaps = [min(args.tool_max, args.tool_median * math.exp(rng.gauss(0.0, args.tool_sigma))) for _ in range(n - 1)]
+        tools = getattr(args, "tools", 0)
+        if tools:
+            # Tools of very different durations (a lookup, a search, a code run): medians
+            # log-spaced from median / 8 to median x 8.
+            picks = [rng.randrange(tools) for _ in range(n - 1)]
+            medians = [args.tool_median * 8 ** (2 * k / max(1, tools - 1) - 1) for k in range(tools)]
+            gaps = [min(args.tool_max, medians[k] * math.exp(rng.gauss(0.0, args.tool_sigma))) for k in picks]
+        else:
+            picks = []
+            gaps = [min(args.tool_max, args.tool_median * math.exp(rng.gauss(0.0, args.tool_sigma)))
+                    for _ in range(n - 1)]
         out.append(Program(f"prog-{args.seed}-{i}", rng.choices(names, weights)[0], kind, t,
                            f"{next(systems)}\n\nTask {i}: {next(texts)}\n",
-                           [f"\nTool result: {next(texts)}\n" for _ in range(n - 1)], gaps))
+                           [f"\nTool result: {next(texts)}\n" for _ in range(n - 1)], gaps,
+                           [f"tool-{k}" for k in picks]))
     if args.only_tenant:
         out = [p for p in out if p.tenant == args.only_tenant]
     return out
@@ -198,6 +211,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tool-median", type=float, default=1.0, help="median tool gap, seconds (1.0)")
     p.add_argument("--tool-sigma", type=float, default=1.0, help="log-normal sigma of tool gaps (1.0)")
     p.add_argument("--tool-max", type=float, default=20.0, help="longest tool gap, seconds (20)")
+    p.add_argument("--tools", type=int, default=0,
+                   help="named tools of different medians (--tool-median / 8 to x 8) the gaps are drawn from "
+                        "(default 0: one distribution)")
     p.add_argument("--tenant", action="append", default=[], metavar="NAME=SHARE",
                    help="a tenant and its share of the programs (repeatable; default one tenant)")
     p.add_argument("--only-tenant", default=None, help="run only this tenant's programs (its 'alone' baseline)")

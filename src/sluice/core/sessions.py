@@ -66,6 +66,11 @@ class Session:
     history_blocks: int = 0
     history_hash: bytes | None = None
     expires_at: float = 0.0
+    # When its pin would expire by the session's own gaps: the order pins are pushed out in
+    # (tool-aware TTLs move expires_at only: ordered by them, a pin whose tool returns in
+    # a second was the first pushed out, just before its call came back; the agent
+    # simulation's hits fell by a third).
+    release_order: float = 0.0
     last_end: float | None = None        # when its last call ended
     gaps: deque = field(default_factory=lambda: deque(maxlen=GAP_HISTORY))
     service: int = 0                     # tokens computed for all its calls
@@ -197,7 +202,7 @@ class SessionTable:
         self.pinned[s.key] = s
         if old:
             self.pool.free(list(reversed(old)))
-        s.expires_at = now + ttl
+        s.expires_at = s.release_order = now + ttl
         self.stats.pinned_calls += 1
         over = self.num_pinned - self.max_pinned
         if over > 0:
@@ -296,7 +301,7 @@ class SessionTable:
             return None
         top = max(held.values())
         return min((s for s in self.pinned.values() if s is not keep and held[s.key[0]] == top),
-                   key=lambda s: (s.active > 0, s.expires_at))
+                   key=lambda s: (s.active > 0, s.release_order))
 
     def reset(self) -> None:
         """Drop every pin (a prefix-cache reset: the blocks' contents are stale)."""
