@@ -186,8 +186,28 @@ class NoDoorScheduler(Scheduler):
         return lambda r: True
 
 
+class AdaptiveDoorScheduler(Scheduler):
+    """`program`'s door shut only while pins are being lost (pushed out for the cap or for
+    room within the last DOOR_MEMORY_S seconds); open otherwise."""
+    DOOR_MEMORY_S = 30.0
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._losses = 0
+        self._last_loss = float("-inf")
+
+    def _door_open(self, now):
+        st = self.sessions.stats
+        losses = st.evicted_for_cap + st.evicted_for_room
+        if losses != self._losses:
+            self._losses, self._last_loss = losses, now
+        if now - self._last_loss > self.DOOR_MEMORY_S:
+            return lambda r: True
+        return super()._door_open(now)
+
+
 # --variant: a scheduler changed in one place, to compare against the engine's own.
-VARIANTS = {"nodoor": NoDoorScheduler}
+VARIANTS = {"nodoor": NoDoorScheduler, "adaptive": AdaptiveDoorScheduler}
 
 
 def load(args) -> list[dict]:
