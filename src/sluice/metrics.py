@@ -188,11 +188,10 @@ class Metrics:
         # The engine's own counts restart from 0 if it is reset after a failure.
         self.preemptions.labels(m).inc(_delta(sched.num_preemptions, self._preemptions_seen))
         self.stall_resumptions.labels(m).inc(_delta(sched.num_stall_resumptions, self._stall_resumptions_seen))
-        self._stall_resumptions_seen = sched.num_stall_resumptions
         self.prefix_queries.labels(m).inc(_delta(kv.query_tokens, self._queries_seen))
         self.prefix_hits.labels(m).inc(_delta(kv.hit_tokens, self._hits_seen))
-        self._preemptions_seen, self._queries_seen, self._hits_seen = (
-            sched.num_preemptions, kv.query_tokens, kv.hit_tokens)
+        self._preemptions_seen, self._stall_resumptions_seen, self._queries_seen, self._hits_seen = (
+            sched.num_preemptions, sched.num_stall_resumptions, kv.query_tokens, kv.hit_tokens)
         self.prefix_hit_rate.labels(m).set(kv.hit_tokens / kv.query_tokens if kv.query_tokens else 0.0)
         self.cached_blocks.labels(m).set(kv.num_cached_blocks)
         self.step_budget.labels(m).set(sched.last_budget)

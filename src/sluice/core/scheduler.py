@@ -154,6 +154,11 @@ class StepUpdate:
     num_new_tokens: dict[str, int] = field(default_factory=dict)
 
 
+def _adapter_waits(req: Request, full: set | None) -> bool:
+    """Its adapter is not among `full`, the adapters filling every slot (_adapters_full)."""
+    return full is not None and req.lora is not None and req.lora.uid not in full
+
+
 def _todo(req: Request) -> int:
     """Tokens of the request still to compute, its pending one included."""
     return req.num_tokens + req.num_pending - req.num_computed_tokens
@@ -249,14 +254,13 @@ class Scheduler:
         """The waiting request the policy admits next (None: none may enter now)."""
         policy = self.config.policy
         waiting = self.waiting
-        if self.max_loras is not None:
-            # A request whose adapter is not running waits while max_loras others run; the
-            # requests behind it that fit go ahead (vLLM's scheduler skips it the same way).
-            running = {r.lora.uid for r in self.running if r.lora is not None}
-            if len(running) >= self.max_loras:
-                waiting = [r for r in waiting if r.lora is None or r.lora.uid in running]
-                if not waiting:
-                    return None
+        full = self._adapters_full()
+        if full is not None:
+            # The requests behind one whose adapter has no slot go ahead (vLLM's scheduler
+            # skips it the same way).
+            waiting = [r for r in waiting if not _adapter_waits(r, full)]
+            if not waiting:
+                return None
         if self.config.max_stream_stall_s is not None:
             # The bounded stall: a stream out of the batch goes first, the oldest last token first.
             stalled = [r for r in waiting if r.last_token_time is not None]
@@ -280,6 +284,14 @@ class Scheduler:
         # preempted requests at the front).
         tenant = min({r.tenant for r in waiting}, key=lambda t: (self.tenants.counter(t), t))
         return next(r for r in waiting if r.tenant == tenant)
+
+    def _adapters_full(self) -> set | None:
+        """The adapters running when they fill max_loras (a request of another adapter
+        waits until one of them ends), else None."""
+        if self.max_loras is None:
+            return None
+        running = {r.lora.uid for r in self.running if r.lora is not None}
+        return running if len(running) >= self.max_loras else None
 
     def _door_open(self, now: float):
         """`program`'s door: a new program (a session's first call, never admitted yet)
@@ -350,14 +362,11 @@ class Scheduler:
         for req in overdue:
             if budget <= 0:
                 break
-            if self.max_loras is not None and req.lora is not None:
-                adapters = {r.lora.uid for r in self.running if r.lora is not None}
-                if req.lora.uid not in adapters and len(adapters) >= self.max_loras:
-                    continue  # its adapter has no slot: it waits as admission would have it
+            if _adapter_waits(req, self._adapters_full()):
+                continue  # its adapter has no slot: it waits as admission would have it
             while True:
                 prefix = self.kv.find_cached_prefix(req)
-                n = max(1, min(req.num_tokens - prefix.num_tokens, budget - len(self.running)))
-                n = min(n, budget)
+                n = min(budget, max(1, min(req.num_tokens - prefix.num_tokens, budget - len(self.running))))
                 if len(self.running) < self.config.max_num_seqs and self.kv.allocate(req, n, prefix) is not None:
                     break
                 movable = [r for r in self.running if r.num_output_tokens > r.outputs_at_admission]

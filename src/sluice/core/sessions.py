@@ -7,9 +7,9 @@ which re-sends that history, finds them as a cached prefix and computes only its
 turn. That is Continuum's idea (arXiv 2511.02230); the TTL adapts from the gaps between
 calls (ttl() below): per tool, when the server has said which tools the call ended by
 calling (tool_called(); Continuum's tool-aware TTL: a web search and a code run take
-different times, whichever session calls them), else per session. A session also counts its attained service, the tokens
-computed for all its calls so far, which the `program` policy orders by (Autellix's
-PLAS, arXiv 2502.13965).
+different times, whichever session calls them), else per session. A session also counts
+its attained service, the tokens computed for all its calls so far, which the `program`
+policy orders by (Autellix's PLAS, arXiv 2502.13965).
 
 Pins are released, in this order of preference:
   1. when they expire (checked at every schedule()), unless a call of the session is

@@ -22,6 +22,7 @@ from sluice.engine.async_engine import AsyncEngine
 from sluice.entrypoints.openai.errors import APIError
 from sluice.entrypoints.openai.weights import admin_guard
 from sluice.lora.adapters import MAX_NAME_CHARS
+from sluice.metrics import Metrics
 
 
 class LoadLoRARequest(BaseModel):
@@ -37,7 +38,7 @@ class UnloadLoRARequest(BaseModel):
 
 
 def add_lora_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, base_model: str, admin_key: str | None,
-                    keys: dict[bytes, tuple[str, str]], metrics=None) -> None:
+                    keys: dict[bytes, tuple[str, str]], metrics: Metrics) -> None:
     admin = admin_guard(enabled, "--enable-lora-updates", "lora_updates_disabled", "LoRA adapter routes",
                         admin_key, keys)
 
@@ -56,8 +57,7 @@ def add_lora_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, base_model
             await engine.call(lambda e: e.load_lora(adapter))
         except ValueError as e:
             raise APIError(400, str(e), param="lora_path") from None
-        if metrics is not None:
-            metrics.set_lora_loaded(len(engine.engine.lora_names()))
+        metrics.set_lora_loaded(len(engine.engine.lora_names()))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -67,6 +67,5 @@ def add_lora_routes(app: FastAPI, engine: AsyncEngine, enabled: bool, base_model
             await engine.call(lambda e: e.unload_lora(body.lora_name))
         except ValueError as e:
             raise APIError(404, str(e), param="lora_name", code="lora_not_found") from None
-        if metrics is not None:
-            metrics.set_lora_loaded(len(engine.engine.lora_names()))
+        metrics.set_lora_loaded(len(engine.engine.lora_names()))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
