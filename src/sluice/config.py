@@ -15,6 +15,7 @@ DEFAULT_MODEL = "smollm2-135m"
 # the checkpoint's own quantized form where a kernel here computes it (the backend's pick).
 QUANTIZATIONS = (None, "auto", *quantization.NAMES)
 KV_CACHE_DTYPES = ("auto", "int8")
+KV_OFFLOAD_DTYPES = ("auto", "exact", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -66,6 +67,18 @@ class CacheConfig:
     # tokens in the same memory and less to read per decode step); CPU, bfloat16, with
     # our kernels (AVX-512 VNNI). Block sizes a multiple of 16.
     kv_cache_dtype: str = "auto"
+    # KV offloading (core/kv_offload.py): GiB of host memory for blocks the pool evicts
+    # (prefix-cache and session blocks), copied back on a later hit instead of recomputed;
+    # 0: off. Under it, optionally a disk tier of kv_offload_disk_size GiB in a file in
+    # kv_offload_dir.
+    kv_offload_memory: float = 0.0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_size: float = 4.0
+    # The offloaded blocks' form (worker/kv_offload_store.py): "exact" the cache's own
+    # bytes; "int8" a bf16/float16/float32 cache compressed per row (~1.9x the blocks per
+    # GiB for bf16, not bit-exact); "auto": int8 for a bf16 or float16 cache outside
+    # deterministic mode, else exact.
+    kv_offload_dtype: str = "auto"
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "program", "fair")
@@ -263,6 +276,26 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
         if c.kv_cache_dtype == "int8" and c.block_size % 16:
             raise ValueError(f"kv_cache_dtype='int8' takes block_size a multiple of 16, got {c.block_size}")
+        if not c.kv_offload_memory >= 0:
+            raise ValueError(f"kv_offload_memory must be >= 0 GiB, got {c.kv_offload_memory}")
+        if c.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+            raise ValueError(f"kv_offload_dtype must be one of {', '.join(KV_OFFLOAD_DTYPES)}; "
+                             f"got {c.kv_offload_dtype!r}")
+        if c.kv_offload_dir is not None:
+            if not c.kv_offload_memory > 0:
+                raise ValueError("kv_offload_dir needs kv_offload_memory > 0: the disk tier takes what the host tier "
+                                 "lets go")
+            if not c.kv_offload_disk_size > 0:
+                raise ValueError(f"kv_offload_disk_size must be > 0 GiB, got {c.kv_offload_disk_size}")
+        if c.kv_offload_memory > 0:
+            if c.kv_offload_dtype == "int8" and self.model.deterministic:
+                raise ValueError("kv_offload_dtype='int8' changes a reloaded block's bits, which deterministic mode "
+                                 "promises to keep: use 'exact' (or 'auto')")
+            if c.kv_offload_dtype == "int8" and c.kv_cache_dtype == "int8":
+                raise ValueError("kv_offload_dtype='int8' compresses a floating-point cache; an int8 KV cache is "
+                                 "offloaded as it is ('exact' or 'auto')")
+            if self.parallel.tensor_parallel_size > 1:
+                raise ValueError("KV offloading runs in one process: not with tensor_parallel_size > 1")
         if self.model.quantization != "auto":
             quantization.get(self.model.quantization)  # ValueError for an unknown scheme
         if self.model.load_format not in LOAD_FORMATS:

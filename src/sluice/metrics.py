@@ -73,6 +73,21 @@ class Metrics:
                                      labels, registry=r)
         self.cached_blocks = Gauge("sluice_prefix_cache_blocks", "KV blocks holding a cached prefix",
                                    labels, registry=r)
+        kl = labels + ["tier"]
+        self.offload_blocks = Gauge("sluice_kv_offload_blocks", "KV blocks held by an offload tier (host, disk)",
+                                    kl, registry=r)
+        self.offload_bytes = Gauge("sluice_kv_offload_bytes", "Bytes of the KV blocks an offload tier holds", kl,
+                                   registry=r)
+        self.offload_events = Counter("sluice_kv_offload_blocks_moved", "KV blocks per offload tier: saved (written "
+                                      "to it), hit (copied back instead of recomputed), dropped (lost past its "
+                                      "bound or to a failed reload), failed (a reload whose bytes were corrupt "
+                                      "or unreadable)", kl + ["event"], registry=r)
+        self.offload_reload_seconds = Counter("sluice_kv_offload_reload_seconds", "Seconds spent copying "
+                                              "offloaded KV blocks back", labels, registry=r)
+        self.offload_recompute_saved = Counter("sluice_kv_offload_recompute_seconds_saved", "Estimated seconds "
+                                               "the reloaded blocks would have taken to recompute (measured "
+                                               "prefill cost per token)", labels, registry=r)
+        self._offload_seen: dict = {}
         tl = labels + ["tenant"]
         self.tenant_requests = Counter("sluice_tenant_requests_finished", "Finished requests per tenant", tl,
                                        registry=r)
@@ -194,6 +209,8 @@ class Metrics:
             sched.num_preemptions, sched.num_stall_resumptions, kv.query_tokens, kv.hit_tokens)
         self.prefix_hit_rate.labels(m).set(kv.hit_tokens / kv.query_tokens if kv.query_tokens else 0.0)
         self.cached_blocks.labels(m).set(kv.num_cached_blocks)
+        if kv.offload is not None:
+            self._observe_offload(kv.offload)
         self.step_budget.labels(m).set(sched.last_budget)
         sm = sched.step_model
         self.tpot_target.labels(m).set(sm.target_s if sm is not None else 0.0)
@@ -232,6 +249,25 @@ class Metrics:
             self._weight_bytes_seen = engine.weight_bytes
         self.steps.labels(m).inc()
         self.step_seconds.labels(m).observe(seconds)
+
+    def _observe_offload(self, index) -> None:
+        m, seen = self.model_name, self._offload_seen
+        for tier in ("host", "disk"):
+            t = index.host if tier == "host" else index.disk
+            n = len(t.lru) if t is not None else 0
+            self.offload_blocks.labels(m, tier).set(n)
+            self.offload_bytes.labels(m, tier).set(n * index.block_bytes)
+            if t is None:
+                continue
+            for event in ("saved", "hits", "dropped", "failed"):
+                count = getattr(t.stats, event)
+                name = "hit" if event == "hits" else event
+                self.offload_events.labels(m, tier, name).inc(_delta(count, seen.get((tier, event), 0)))
+                seen[(tier, event)] = count
+        for metric, name, value in ((self.offload_reload_seconds, "reload", index.reload_seconds),
+                                    (self.offload_recompute_saved, "saved_s", index.recompute_seconds_saved)):
+            metric.labels(m).inc(max(0.0, _delta(value, seen.get(name, 0.0))))
+            seen[name] = value
 
     def set_lora_loaded(self, n: int) -> None:
         """Adapters served (after each step, and from the load / unload routes, which may

@@ -10,7 +10,9 @@ block can carry the hash of its content (see kv_cache_manager.block_hash); the p
 hash -> block so a later request with the same prefix can take it. A freed block keeps
 its hash and contents and waits in a doubly linked list in least-recently-freed order; it
 is evicted (hash dropped) only when allocate() needs it, coldest first. Reviving a free
-block, taking one and returning one are all O(1).
+block, taking one and returning one are all O(1). With KV offloading on, `on_evict` is
+told of each block evicted with its content's name, before the block is reused (the
+offload index copies it to a lower tier, core/kv_offload.py).
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.used_by_group = [0] * num_groups   # blocks with a reference, per layout group
+        self.on_evict = None   # (block_id, block_hash) -> None: a named block is about to be reused
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,6 +99,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._drop_hash(block)
             block.ref_cnt = 1
             block.group = group

@@ -15,6 +15,11 @@ hash: a later request with the same tokens may still take them), so the request 
 its window's blocks there and only its full-attention groups grow with it. A cached
 prefix must then be whole in the full groups and cover the window before its end in the
 sliding ones; a block is named by its chain hash and its group.
+
+With KV offloading (an OffloadIndex, core/kv_offload.py), a named block the pool evicts
+goes to a host (then disk) tier instead of being lost, and a prefix lookup that misses in
+the pool looks there too: such a block takes a fresh pool block whose content a transfer
+copies back before the step's forward pass (the plan carries the transfers).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from array import array
 from dataclasses import dataclass
 
 from sluice.core.block_pool import BlockPool, KVBlock
+from sluice.core.kv_offload import OffloadIndex
 from sluice.request import Request
 
 _ROOT = b"\x00" * 32
@@ -55,6 +61,9 @@ class CachedPrefix:
     num_tokens: int
     queried_tokens: int = 0    # the request's tokens looked up (counted once it is admitted)
     tables: tuple[tuple[KVBlock | None, ...], ...] = ()
+    # Blocks an offload tier holds: (group, table index, key), each to be copied back into
+    # a fresh pool block (their table entries are None until allocate() fills them).
+    loads: tuple[tuple[int, int, bytes], ...] = ()
 
 
 _NO_PREFIX = CachedPrefix((), 0)
@@ -81,13 +90,17 @@ def group_key(chain_hash: bytes, group: int) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 windows: tuple[int, ...] = (0,)):
+                 windows: tuple[int, ...] = (0,), offload: OffloadIndex | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         # Per layout group: the keys its layers see (0: all of them).
         self.windows = tuple(windows) or (0,)
         self.num_groups = len(self.windows)
         self.pool = BlockPool(num_blocks, self.num_groups)
+        # KV offloading: where named blocks go when the pool evicts them; None: lost.
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = offload.save
         # What a table holds where a sliding group holds no block: the runner's scratch
         # block past the pool (finite values, only ever read under a window's mask).
         self.null_block_id = num_blocks
@@ -193,7 +206,14 @@ class KVCacheManager:
                 or request.needs_prompt_logprobs):
             return _NO_PREFIX
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
-        lookup = self.pool.lookup
+        pool_lookup, offload = self.pool.lookup, self.offload
+
+        def lookup(key: bytes):
+            """The pool's block of this content, else an offload tier's name for it, else None."""
+            block = pool_lookup(key)
+            if block is None and offload is not None:
+                return offload.where(key)
+            return block
         k = len(hashes)
         for g, w in enumerate(self.windows):  # full groups: every block from the first
             if not w:
@@ -215,12 +235,20 @@ class KVCacheManager:
                     k, settled = miss, False
         if k == 0:
             return CachedPrefix((), 0, request.num_tokens)
-        tables = []
+        tables, loads = [], []
         for g in range(self.num_groups):
             first = self._first_needed(g, k * self.block_size)
-            tables.append((None,) * first + tuple(lookup(group_key(hashes[i], g)) for i in range(first, k)))
+            table: list[KVBlock | None] = [None] * first
+            for i in range(first, k):
+                key = group_key(hashes[i], g)
+                found = lookup(key)
+                if isinstance(found, str):  # in an offload tier: a fresh block, filled by a copy
+                    loads.append((g, i, key))
+                    found = None
+                table.append(found)
+            tables.append(tuple(table))
         blocks = tuple(b for t in tables for b in t if b is not None)
-        return CachedPrefix(blocks, k * self.block_size, request.num_tokens, tuple(tables))
+        return CachedPrefix(blocks, k * self.block_size, request.num_tokens, tuple(tables), tuple(loads))
 
     def resends(self, request: Request, num_full_blocks: int, last_hash: bytes | None) -> bool:
         """Whether the request begins with a session's pinned history of num_full_blocks
@@ -240,7 +268,7 @@ class KVCacheManager:
         start = request.num_computed_tokens + prefix.num_tokens
         need = self.blocks_needed(start + num_new_tokens + num_lookahead)
         tables = self.req_blocks.get(rid)
-        taken = sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+        taken = sum(1 for b in prefix.blocks if b.ref_cnt == 0) + len(prefix.loads)
         for g in range(self.num_groups):
             lo = self._first_needed(g, start)
             if tables is not None:
@@ -275,6 +303,8 @@ class KVCacheManager:
             tables = self.req_blocks[rid] = ([list(t) for t in prefix.tables] if prefix.tables
                                              else [[] for _ in self.windows])
             self.req_lo[rid] = [self._first_needed(g, start) for g in range(self.num_groups)]
+        if prefix.loads:
+            self._reload(tables, prefix.loads)
         self._slide(rid, start)
         new: list[KVBlock] = []
         for g, table in enumerate(tables):
@@ -290,6 +320,35 @@ class KVCacheManager:
             # may already share them.
             self._name(request, start + num_new_tokens)
         return KVAllocation(tuple(b.block_id for b in prefix.blocks), tuple(b.block_id for b in new))
+
+    def _reload(self, tables: list[list[KVBlock | None]], loads) -> None:
+        """Fresh pool blocks for a prefix's offloaded blocks, named at once (their content
+        is copied in before the step's forward pass reads it, like a block this step fills).
+        The keys are locked meanwhile: the evictions these allocations cause save blocks to
+        the host tier, and must not push out what is being reloaded."""
+        offload = self.offload
+        offload.locked.update(key for _, _, key in loads)
+        try:
+            for g, i, key in loads:
+                [block] = self.pool.allocate(1, g)
+                tables[g][i] = block
+                self.pool.cache(block, key)
+                offload.load(key, block.block_id)
+        finally:
+            offload.locked.clear()
+
+    def take_transfers(self) -> list[tuple[str, int, int, bytes]]:
+        """The offload copies decided since the last call, in order (for the next step)."""
+        return self.offload.take_transfers() if self.offload is not None else []
+
+    def failed_load(self, block_id: int) -> None:
+        """A block's reload failed: its content is not what its name says, so the name goes
+        (the requests holding it are recomputed by the scheduler)."""
+        self.pool.uncache(self.pool.blocks[block_id])
+
+    def holds_any(self, request_id: str, block_ids: set[int]) -> bool:
+        tables = self.req_blocks.get(request_id) or []
+        return any(b is not None and b.block_id in block_ids for t in tables for b in t)
 
     def _slide(self, rid: str, start: int) -> None:
         """Give back each sliding group's blocks that no query at start or later reads."""
@@ -391,6 +450,9 @@ class KVCacheManager:
         self.pool.free(list(reversed(gone)))
 
     def reset_prefix_cache(self) -> int:
+        if self.offload is not None:  # offloaded content is as stale as cached content
+            self.offload.clear()
+            self.offload.take_transfers()
         return self.pool.reset_cache()
 
     @property

@@ -115,6 +115,15 @@ class StepPlan:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted: list[str] = field(default_factory=list)
+    # KV offloading: copies between the pool and the offload tiers, (kind, src, dst, key)
+    # in order (core/kv_offload.py), done before this step's forward pass.
+    kv_transfers: list[tuple[str, int, int, bytes]] = field(default_factory=list)
+
+    @property
+    def reloads(self) -> bool:
+        """Whether a block is copied back from a tier (a copy that can fail: the step's
+        result says so, and the next plan must wait for it)."""
+        return any(t[0] in ("load", "load_disk") for t in self.kv_transfers)
 
     @property
     def is_empty(self) -> bool:
@@ -144,6 +153,9 @@ class StepResult:
     # Speculative decoding: the tokens after sampled[id] that verification kept (the
     # accepted drafts after the first, then the token sampled after the last accepted).
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # KV offloading: the plan's reloads that failed, (kind, key, block id); the requests
+    # holding those blocks computed garbage this step and are recomputed.
+    failed_loads: list[tuple[str, bytes, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -221,6 +233,10 @@ class Scheduler:
                 decode += len(e.token_ids)
             drafted += len(e.draft_token_ids)
         self.last_mix = (plan.num_batched_tokens - decode, decode, drafted, seconds)
+        prompt = plan.num_batched_tokens - decode
+        if self.kv.offload is not None and prompt >= max(decode, 1) and not plan.reloads:
+            # A prompt-heavy step's cost per token: what a reload saves (kv_offload.py).
+            self.kv.offload.observe_prefill(plan.num_batched_tokens, seconds)
         if self.step_model is not None:
             self.step_model.observe(plan.num_batched_tokens, seconds, decode > 0)
         if self.spec is not None:
@@ -518,7 +534,9 @@ class Scheduler:
             budget -= n
 
         entries = list(scheduled.values())
-        return StepPlan(entries, sum(len(e.token_ids) for e in entries), preempted)
+        # Offload copies wait for a step that runs (order is all they need, kv_offload.py).
+        transfers = self.kv.take_transfers() if entries else []
+        return StepPlan(entries, sum(len(e.token_ids) for e in entries), preempted, transfers)
 
     def _plan_entry(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -608,10 +626,11 @@ class Scheduler:
         num_new: dict[str, int] = {}
         now = self.clock()
         step_drafted = step_accepted = 0
+        redo = self._failed_loads(plan, result.failed_loads) if result.failed_loads else set()
         for entry in plan.scheduled:
             req = self.requests.get(entry.request_id)
-            if req is None:
-                continue  # aborted while the step ran
+            if req is None or entry.request_id in redo:
+                continue  # aborted while the step ran, or computed from a failed reload
             if req.status is not RequestStatus.RUNNING:
                 # Preempted by the plan made while this step ran: its token is still its
                 # own (computed from its whole context), and its recompute includes it.
@@ -678,6 +697,28 @@ class Scheduler:
         if self.spec is not None:
             self.spec.step_done(step_drafted, step_accepted)
         return StepUpdate(with_new_token, finished, num_new)
+
+    def _failed_loads(self, plan: StepPlan, failed: list[tuple[str, bytes, int]]) -> set[str]:
+        """Reloads of this plan that failed: their blocks lose their names and their keys
+        leave the tiers, and each request of the plan that holds one is preempted (its
+        step is discarded; it recomputes its tokens). Returns those requests' ids."""
+        block_ids = set()
+        for kind, key, block_id in failed:
+            self.kv.failed_load(block_id)
+            self.kv.offload.failed(kind, key)
+            block_ids.add(block_id)
+        redo = set()
+        for entry in plan.scheduled:
+            req = self.requests.get(entry.request_id)
+            if req is None or not self.kv.holds_any(req.request_id, block_ids):
+                continue
+            redo.add(req.request_id)
+            req.num_pending = 0
+            if req.status is RequestStatus.RUNNING:
+                self._preempt(req)
+        logger.warning("%d offloaded KV block(s) failed to reload; %d request(s) recompute them",
+                       len(failed), len(redo))
+        return redo
 
     def _append(self, req: Request, sampled: SampledToken) -> None:
         req.output_token_ids.append(sampled.token_id)

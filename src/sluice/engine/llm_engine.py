@@ -28,6 +28,7 @@ from sluice.backends.base import weight_bytes
 from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.kv_offload import OffloadIndex
 from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
 from sluice.distributed.parallel import check_tp_size, split
@@ -41,6 +42,7 @@ from sluice.spec.speculator import Speculator
 from sluice.reasoning import resolve as resolve_reasoning
 from sluice.structured.grammar import GrammarCompiler
 from sluice.tokenizer import Tokenizer
+from sluice.worker.kv_offload_store import OffloadStore, offload_block_bytes, offload_compresses
 from sluice.worker.model_runner import Launched, RunnerTimings
 from sluice.worker.shard import build_shard
 
@@ -155,8 +157,9 @@ class LLMEngine:
         self.runner = shard.runner
         self.runner.set_grammar_mask_width(self.grammars.mask_width)
         self.runner.tp = self.tp
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 enable_caching=config.cache.enable_prefix_caching, windows=self.runner.layout.windows)
+        self.offload_store = self._offload_store()
+        self.runner.offload = self.offload_store
+        self.kv = self._kv_manager()
         # LoRA adapters (lora/): their slots on the model's layers, and those named at start.
         self.lora = None
         if config.lora.enabled:
@@ -185,6 +188,43 @@ class LLMEngine:
                     time.perf_counter() - t0, self.weight_bytes / 1e6,
                     f" (the file's tensors: {file_bytes / 1e6:.0f} MB)" if file_bytes else "",
                     "; asynchronous scheduling" if self.overlap else "")
+
+    def _offload_store(self) -> OffloadStore | None:
+        """KV offloading's host (and disk) tiers, sized from the cache settings; None: off."""
+        c = self.config.cache
+        if not c.kv_offload_memory > 0:
+            return None
+        tensors = self.runner.kv_tensors
+        compress = offload_compresses(c.kv_offload_dtype, tensors[0][0].dtype, self.config.model.deterministic)
+        per_block = offload_block_bytes(tensors, compress)
+        host = max(1, int(c.kv_offload_memory * 2**30) // per_block)
+        disk = int(c.kv_offload_disk_size * 2**30) // per_block if c.kv_offload_dir else 0
+        store = OffloadStore(tensors, host, compress, c.kv_offload_dir, disk)
+        logger.info("KV offloading: %d blocks in host memory (%.2f GiB)%s, %s", host, host * per_block / 2**30,
+                    f", {disk} on disk in {c.kv_offload_dir} ({disk * per_block / 2**30:.2f} GiB)"
+                    if store.disk_ok else "", "int8-compressed" if compress else "exact")
+        return store
+
+    def _kv_manager(self) -> KVCacheManager:
+        store = self.offload_store
+        index = None
+        if store is not None:
+            index = OffloadIndex(store.host.shape[0], len(store.crc) if store.disk_ok else 0, store.block_bytes,
+                                 self.config.cache.block_size)
+        return KVCacheManager(self.runner.num_blocks, self.config.cache.block_size,
+                              enable_caching=self.config.cache.enable_prefix_caching,
+                              windows=self.runner.layout.windows, offload=index)
+
+    def _observe_offload(self) -> None:
+        """The store's measured copy times to the index's cost model; a failed disk tier off."""
+        store, index = self.offload_store, self.kv.offload
+        if store is None or index is None:
+            return
+        for kind, (seconds, blocks) in store.take_timings().items():
+            if kind in ("load", "load_disk"):
+                index.observe_loads("host" if kind == "load" else "disk", seconds, int(blocks))
+        if index.disk is not None and not store.disk_ok:
+            index.disable_disk()
 
     def _speculator(self) -> Speculator | None:
         sp = self.config.speculative
@@ -465,7 +505,9 @@ class LLMEngine:
         logger.info("awake: the KV cache is back")
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do in one process)."""
+        """Stop the other tensor-parallel ranks, and remove the KV offload file if any."""
+        if self.offload_store is not None:
+            self.offload_store.close()
         if self.tp is not None:
             self.tp.close()
 
@@ -493,10 +535,9 @@ class LLMEngine:
         the state a fresh engine starts from, in milliseconds. For recovery after a failure
         that may have left the queues inconsistent (the caller ends the dropped requests'
         streams)."""
-        self.kv = KVCacheManager(self.runner.num_blocks, self.config.cache.block_size,
-                                 enable_caching=self.config.cache.enable_prefix_caching,
-                                 windows=self.runner.layout.windows)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, speculator=self._speculator())
+        self.kv = self._kv_manager()
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, speculator=self._speculator(),
+                                   max_loras=self.config.lora.max_loras if self.lora is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._inflight, self._stashed = None, []
 
@@ -516,6 +557,8 @@ class LLMEngine:
         try:
             result = self.runner.execute(plan)
             t2 = time.perf_counter()
+            if plan.kv_transfers:
+                self._observe_offload()
             update = self.scheduler.update(plan, result)
             outputs = self.outputs.process(update)
         except Exception as e:
@@ -562,6 +605,8 @@ class LLMEngine:
                 self.scheduler.advance(plan)
             try:
                 launched = self.runner.launch(plan, prev)
+                if plan.kv_transfers:
+                    self._observe_offload()
             except Exception as e:
                 if prev is not None:
                     outputs += self._collect(prev)  # computed before this step: its tokens stand
@@ -591,6 +636,8 @@ class LLMEngine:
         it samples for has a grammar (the next mask follows from the token) or penalties
         (counts over the output), or the next step may draft (drafts are looked up in
         the tokens)."""
+        if plan.reloads:
+            return True  # a reload may fail, and its requests are recomputed before they go on
         sampled = [e for e in plan.scheduled if e.needs_logits]
         if any(e.grammar is not None or e.params.has_penalties for e in sampled):
             return True

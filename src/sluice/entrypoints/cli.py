@@ -48,6 +48,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: K and V in the model's dtype; int8: 8-bit K and V with a scale per token "
                         "(~1.9x the tokens per GiB, faster decode attention; bfloat16, sluice's kernels; "
                         "docs/benchmarks.md has its quality cost)")
+    g.add_argument("--kv-offload-memory", type=float, default=0.0,
+                   help="GiB of host memory for KV blocks the cache evicts (prefix-cache and session blocks): a "
+                        "later hit copies them back instead of recomputing them (default 0: off)")
+    g.add_argument("--kv-offload-dir", default=None,
+                   help="a folder for a disk tier below --kv-offload-memory (blocks the host tier lets go; one "
+                        "file, checksummed per block, removed at exit)")
+    g.add_argument("--kv-offload-disk-size", type=float, default=4.0,
+                   help="GiB of the disk tier in --kv-offload-dir (default 4)")
+    g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "exact", "int8"],
+                   help="offloaded blocks' form: exact (the cache's bits), int8 (a bf16 cache compressed per "
+                        "token and head, ~1.9x the blocks per GiB), auto (default): int8 for a bf16 cache "
+                        "outside --deterministic, else exact")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default 256 on a CPU, 2048 on a GPU)")
@@ -133,7 +145,9 @@ def engine_kwargs(args) -> dict:
                 load_format=args.load_format,
                 quantization=None if args.quantization == "none" else args.quantization,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
-                kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_dtype=args.kv_cache_dtype, kv_offload_memory=args.kv_offload_memory,
+                kv_offload_dir=args.kv_offload_dir, kv_offload_disk_size=args.kv_offload_disk_size,
+                kv_offload_dtype=args.kv_offload_dtype,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic,
                 cpu_isa=args.cpu_isa, policy=args.scheduling_policy, starvation_s=args.starvation_timeout,

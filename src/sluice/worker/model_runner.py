@@ -41,6 +41,7 @@ class Launched:
     plan: StepPlan
     entries: list[ScheduledRequest] = field(default_factory=list)  # those sampled for
     out: SamplerOutput | None = None
+    failed_loads: list = field(default_factory=list)  # KV reloads that failed (OffloadStore.execute)
     prompt_logprobs: dict = field(default_factory=dict)
     t0: float = 0.0
     t1: float = 0.0
@@ -118,6 +119,9 @@ class ModelRunner:
         self.timings = RunnerTimings()
         # LoRA adapters (lora/slots.py LoRAManager), set by the engine where they are served.
         self.lora = None
+        # KV offloading (worker/kv_offload_store.py OffloadStore), set by the engine where on:
+        # each plan's copies between the pool and the tiers run before its forward pass.
+        self.offload = None
         # structured_outputs rows: their token masks, filled while the forward pass runs.
         self.set_grammar_mask_width(grammar_mask_width)
 
@@ -264,6 +268,7 @@ class ModelRunner:
         if plan.is_empty:
             return Launched(plan)
         t0 = time.perf_counter()
+        failed_loads = self.offload.execute(plan.kv_transfers, self.kv_tensors) if plan.kv_transfers else []
         input_ids, positions, meta, logits_rows = self._prepare(plan)
         pending = [] if prev is None else [
             (i, e.request_id) for i, e in zip(_last_rows(plan), plan.scheduled) if e.pending_input]
@@ -292,7 +297,7 @@ class ModelRunner:
                 grammar = (torch.tensor(grammar_rows, dtype=torch.long, device=self.device),
                            self.masks.finish(masks).to(self.device))
         t2 = time.perf_counter()
-        launched = Launched(plan, entries, t0=t0, t1=t1, t2=t2)
+        launched = Launched(plan, entries, failed_loads=failed_loads, t0=t0, t1=t1, t2=t2)
         if entries:
             # logits_rows is padded to a bucket too; the extra rows repeat the first one.
             rows = hidden.index_select(0, logits_rows)
@@ -347,7 +352,7 @@ class ModelRunner:
         self.timings.prepare += launched.t1 - launched.t0
         self.timings.forward += launched.t2 - launched.t1
         self.timings.sample += t3 - launched.t2
-        return StepResult(sampled, launched.prompt_logprobs, accepted)
+        return StepResult(sampled, launched.prompt_logprobs, accepted, launched.failed_loads)
 
     @torch.inference_mode()
     def forward_only(self, plan: StepPlan) -> None:
