@@ -15,6 +15,11 @@ ideas can be ranked, over several seeds, before they are measured for real.
         --programs 96 --program-rate 0.5 --kv-gib 0.25 --policy fcfs
     .venv/bin/python benchmarks/agents_sim.py run ... --policy program --sessions [--variant nodoor]
 
+--offload-gib G adds the host KV tier (core/kv_offload.py) under the cache: evicted blocks
+are saved there and reloaded on a hit, each copy adding its measured cost to the step
+(--offload-save-us / --offload-load-us per block, from benchmarks/kv_offload_copy.py; the
+defaults are its int8 figures on the Xeon box of docs/benchmarks.md).
+
 --slowdown scales the modelled step times to match what the served runs show (the
 server's HTTP, streaming and the load generator share the cores; 1.1-1.25 on the box of
 lab-notes.md's "Sessions and agent programs"). Not modelled: tokenization (a call
@@ -34,6 +39,7 @@ import time
 from sluice.bench.serve import percentile
 from sluice.config import SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.kv_offload import OffloadIndex
 from sluice.core.scheduler import SampledToken, Scheduler, StepResult
 from sluice.request import Request, RequestStatus
 from sluice.sampling_params import SamplingParams
@@ -41,6 +47,8 @@ from sluice.sampling_params import SamplingParams
 BLOCK_SIZE = 16
 # SmolLM2-135M's KV bytes per token in bf16: 30 layers x (K, V) x 3 heads x 64 x 2 bytes.
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+# One offloaded block of it: exact (bf16), or int8 rows with a float32 scale each.
+OFFLOAD_BLOCK_BYTES = {"exact": KV_BYTES_PER_TOKEN * BLOCK_SIZE, "int8": 30 * 2 * 3 * (64 + 4) * BLOCK_SIZE}
 
 
 def features(plan) -> tuple[float, float, float, float]:
@@ -100,7 +108,11 @@ class Sim:
         self.coef = coef
         self.now = 0.0
         num_blocks = int(args.kv_gib * 2**30 / (KV_BYTES_PER_TOKEN * BLOCK_SIZE))
-        self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=True)
+        offload = None
+        if args.offload_gib > 0:
+            offload = OffloadIndex(int(args.offload_gib * 2**30 / OFFLOAD_BLOCK_BYTES[args.offload_dtype]),
+                                   block_size=BLOCK_SIZE)
+        self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=True, offload=offload)
         cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                               starvation_s=args.starvation_s, max_pinned_fraction=args.max_pinned_fraction)
         cls = VARIANTS.get(args.variant, Scheduler)
@@ -140,6 +152,9 @@ class Sim:
                 continue
             preempt += len(plan.preempted)
             dt = self.args.slowdown * sum(c * f for c, f in zip(self.coef, features(plan)))
+            saves = sum(t[0] == "save" for t in plan.kv_transfers)
+            dt += 1e-6 * (saves * self.args.offload_save_us
+                          + (len(plan.kv_transfers) - saves) * self.args.offload_load_us)
             self.now += dt
             busy += dt
             steps += 1
@@ -176,6 +191,7 @@ class Sim:
                 "busy": round(busy / self.now, 2),
                 "prefix_hit_rate": round(sum(c["cached"] for c in calls) / sum(c["prompt"] for c in calls), 2),
                 "steps": steps, "preemptions": preempt, "makespan_s": round(self.now, 1),
+                "offload_hits": self.kv.offload.host.stats.hits if self.kv.offload is not None else 0,
                 "sessions": dict(vars(self.sched.sessions.stats))}
 
 
@@ -215,7 +231,8 @@ def load(args) -> list[dict]:
     from sluice.bench.agents import make_programs
     from sluice.bench.serve import _tokenizer
     ns = argparse.Namespace(seed=args.seed, tokenizer=None, model=args.tokenizer, tenant=[], programs=args.programs,
-                            short_frac=0.7, short_calls=(2, 3), long_calls=(8, 12), tool_len=(60, 120),
+                            short_frac=args.short_frac, short_calls=(2, 3), long_calls=(8, 12),
+                            tool_len=tuple(args.tool_len),
                             system_len=300, program_rate=args.program_rate, tool_median=args.tool_median,
                             tool_sigma=args.tool_sigma, tool_max=20.0, only_tenant=None, tools=args.tools)
     tok = _tokenizer(args.tokenizer)
@@ -249,6 +266,9 @@ def main(argv=None) -> int:
     r.add_argument("--programs", type=int, default=96)
     r.add_argument("--program-rate", type=float, default=0.5)
     r.add_argument("--tool-median", type=float, default=1.0)
+    r.add_argument("--short-frac", type=float, default=0.7, help="share of short programs (2-3 calls; else 8-12)")
+    r.add_argument("--tool-len", type=int, nargs=2, default=(60, 120), metavar=("LO", "HI"),
+                   help="tokens of a tool result")
     r.add_argument("--tool-sigma", type=float, default=1.0)
     r.add_argument("--tools", type=int, default=0, help="named tools of different medians (bench agents --tools)")
     r.add_argument("--tool-hints", action="store_true",
@@ -263,6 +283,10 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--variant", default=None, choices=sorted(VARIANTS))
     r.add_argument("--slowdown", type=float, default=1.0, help="scale the modelled step times")
+    r.add_argument("--offload-gib", type=float, default=0.0, help="a host KV tier of this many GiB (0: none)")
+    r.add_argument("--offload-dtype", default="int8", choices=sorted(OFFLOAD_BLOCK_BYTES))
+    r.add_argument("--offload-save-us", type=float, default=774.0, help="one block saved to the tier")
+    r.add_argument("--offload-load-us", type=float, default=297.0, help="one block copied back")
     r.set_defaults(func=run)
     args = ap.parse_args(argv)
     return args.func(args)

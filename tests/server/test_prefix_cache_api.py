@@ -45,3 +45,42 @@ def test_reset_route(server):
     assert r.status_code == 200 and r.json()["reset_blocks"] > 0
     assert chat(server.url, "to be forgotten")["prompt_tokens_details"]["cached_tokens"] == 0
     assert httpx.post(f"{server.keyed_url}/reset_prefix_cache").status_code == 401
+
+
+def test_offloaded_prefixes_come_back_through_the_server(tiny_checkpoint, tmp_path):
+    """--kv-offload-memory and --kv-offload-dir as the CLI gives them: a prompt pushed out of a
+    small cache by other traffic is served from the tiers (cached_tokens), and /metrics
+    shows each tier."""
+    from sluice.entrypoints.cli import build_parser, engine_kwargs
+    from tests.server.conftest import RunningServer, ServerConfig, start_engine
+    path = str(tiny_checkpoint("llama"))
+    args = build_parser().parse_args(["serve", "--model", path, "--kv-offload-memory", "0.0005",
+                                      "--kv-offload-dir", str(tmp_path), "--kv-offload-disk-size", "0.01",
+                                      "--kv-offload-dtype", "exact"])
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k.startswith("kv_offload")}
+    assert kwargs == dict(kv_offload_memory=0.0005, kv_offload_dir=str(tmp_path), kv_offload_disk_size=0.01,
+                          kv_offload_dtype="exact")
+    aengine, metrics, _ = start_engine(path, num_blocks=24, **kwargs)
+    srv = RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
+    def complete(prompt: str) -> dict:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                                                          "temperature": 0}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    try:
+        first = complete(SYSTEM + "the question")
+        for i in range(6):  # other prompts cycle every block of the cache
+            complete(f"other traffic number {i} " * 20)
+        again = complete(SYSTEM + "the question")
+        assert again["prompt_tokens_details"]["cached_tokens"] == (first["prompt_tokens"] - 1) // 16 * 16
+        index = aengine.engine.kv.offload
+        hits = index.host.stats.hits + index.disk.stats.hits
+        assert hits > 0 and index.disk is not None
+        moved = sum(metric_value(srv.url, "sluice_kv_offload_blocks_moved_total", f'event="hit",model_name="{MODEL}",'
+                                 f'tier="{tier}"') for tier in ("host", "disk"))
+        assert moved == hits
+        assert metric_value(srv.url, "sluice_kv_offload_blocks", 'tier="disk"') == index.num_blocks("disk")
+        assert metric_value(srv.url, "sluice_kv_offload_reload_seconds_total") > 0
+    finally:
+        srv.stop()
+        aengine.shutdown()

@@ -124,3 +124,32 @@ def test_reset_forgets_the_tiers():
 def test_a_host_tier_needs_a_block(n):
     with pytest.raises(ValueError):
         OffloadIndex(host_blocks=n)
+
+
+def test_a_prefix_whose_reloads_outgrow_the_free_blocks_is_shortened_and_admitted():
+    """Reloads take their blocks at admission, all at once: a history bigger than the free
+    pool (the rest held by others) is reloaded as far as it fits and the rest computed,
+    rather than waiting for room that only its own progress would make."""
+    from sluice.config import SchedulerConfig
+    from sluice.core.scheduler import Scheduler
+    ix = OffloadIndex(host_blocks=16)
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True, offload=ix)
+    a = req("a", list(range(1, 30)))  # 7 full blocks + 1 token
+    assert kv.allocate(a, 29) is not None
+    a.num_computed_tokens = 29
+    kv.free(a)
+    other = req("other", list(range(100, 132)))  # all 8 blocks: a's 7 go to the tier
+    assert kv.allocate(other, 32) is not None
+    kv.free(other)
+    holder = req("holder", list(range(200, 212)))  # 3 blocks held: 5 free
+    assert kv.allocate(holder, 12) is not None
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv, 4096)
+    again = req("again", list(range(1, 30)))
+    sched.add_request(again)
+    full = kv.find_cached_prefix(again)
+    assert len(full.loads) == 7 and kv.free_blocks_taken(again, 1, full) > kv.num_free_blocks
+    plan = sched.schedule()
+    assert [e.request_id for e in plan.scheduled] == ["again"]
+    entry = plan.scheduled[0]
+    assert 0 < entry.start_pos < 28 and again.num_cached_tokens == entry.start_pos
+    assert sum(t[0] == "load" for t in plan.kv_transfers) == entry.start_pos // 4

@@ -197,11 +197,11 @@ class KVCacheManager:
         return hashes
 
     # -- allocation -----------------------------------------------------------
-    def find_cached_prefix(self, request: Request) -> CachedPrefix:
-        """Cached blocks matching the start of a request that holds no blocks yet. The
-        last token is always left to compute, so the request gets logits. A request that
-        still needs prompt logprobs reads none: it must compute every prompt token (it still
-        names its own blocks for others)."""
+    def find_cached_prefix(self, request: Request, max_blocks: int | None = None) -> CachedPrefix:
+        """Cached blocks matching the start of a request that holds no blocks yet (at most
+        max_blocks token blocks of it). The last token is always left to compute, so the
+        request gets logits. A request that still needs prompt logprobs reads none: it
+        must compute every prompt token (it still names its own blocks for others)."""
         if (not self._hashing(request) or self.req_blocks.get(request.request_id)
                 or request.needs_prompt_logprobs):
             return _NO_PREFIX
@@ -214,7 +214,7 @@ class KVCacheManager:
             if block is None and offload is not None:
                 return offload.where(key)
             return block
-        k = len(hashes)
+        k = len(hashes) if max_blocks is None else min(len(hashes), max_blocks)
         for g, w in enumerate(self.windows):  # full groups: every block from the first
             if not w:
                 k = next((i for i in range(k) if lookup(group_key(hashes[i], g)) is None), k)
@@ -249,6 +249,19 @@ class KVCacheManager:
             tables.append(tuple(table))
         blocks = tuple(b for t in tables for b in t if b is not None)
         return CachedPrefix(blocks, k * self.block_size, request.num_tokens, tuple(tables), tuple(loads))
+
+    def fit_prefix(self, request: Request, prefix: CachedPrefix, num_new) -> CachedPrefix:
+        """The prefix, shortened until what allocating it takes fits the free blocks, where
+        it reloads offloaded blocks: each reload takes a free block at admission, where
+        computing the same tokens would take them chunk by chunk (and let running requests
+        release pins for them on the way). num_new(prefix): the tokens the request would
+        compute this step after it."""
+        while prefix.loads:
+            excess = self.free_blocks_taken(request, num_new(prefix), prefix) - self.pool.num_free_blocks
+            if excess <= 0:
+                break
+            prefix = self.find_cached_prefix(request, max(0, prefix.num_tokens // self.block_size - excess))
+        return prefix
 
     def resends(self, request: Request, num_full_blocks: int, last_hash: bytes | None) -> bool:
         """Whether the request begins with a session's pinned history of num_full_blocks

@@ -381,8 +381,10 @@ class Scheduler:
             if _adapter_waits(req, self._adapters_full()):
                 continue  # its adapter has no slot: it waits as admission would have it
             while True:
-                prefix = self.kv.find_cached_prefix(req)
-                n = min(budget, max(1, min(req.num_tokens - prefix.num_tokens, budget - len(self.running))))
+                def chunk(p):
+                    return min(budget, max(1, min(req.num_tokens - p.num_tokens, budget - len(self.running))))
+                prefix = self.kv.fit_prefix(req, self.kv.find_cached_prefix(req), chunk)  # noqa: B023
+                n = chunk(prefix)
                 if len(self.running) < self.config.max_num_seqs and self.kv.allocate(req, n, prefix) is not None:
                     break
                 movable = [r for r in self.running if r.num_output_tokens > r.outputs_at_admission]
@@ -496,8 +498,10 @@ class Scheduler:
             req = self._next_waiting(now)
             if req is None:
                 break
-            prefix = self.kv.find_cached_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
+            rest = req.num_tokens - req.num_computed_tokens
+            prefix = self.kv.fit_prefix(req, self.kv.find_cached_prefix(req),
+                                        lambda p: min(rest - p.num_tokens, budget))  # noqa: B023
+            n = min(rest - prefix.num_tokens, budget)
             # While sessions hold pins, an admission leaves a free block per running request
             # (their next blocks): else the running requests' growth would take the pins at
             # once, and admissions, not running requests, would decide which pins survive.

@@ -676,6 +676,13 @@ class LLMEngine:
         if advanced:
             # Its tokens were counted as computed when it was launched: they were not.
             self.scheduler.unadvance(plan)
+        if plan.kv_transfers and self.kv.offload is not None:
+            # Which of its copies ran is unknown: no reloaded block keeps its name, and the
+            # tiers forget what they hold (a slot a save never reached holds other bytes).
+            for kind, _, dst, _ in plan.kv_transfers:
+                if kind in ("load", "load_disk"):
+                    self.kv.failed_load(dst)
+            self.kv.offload.clear()
         parents = self.outputs.parents_of(e.request_id for e in plan.scheduled)
         logger.exception("an engine step failed (%s); ending its %d request(s) with an error, the engine "
                          "goes on", type(error).__name__, len(parents))

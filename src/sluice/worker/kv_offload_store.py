@@ -81,64 +81,79 @@ class OffloadStore:
         # Per kind of copy: seconds and blocks since the last take_timings().
         self.timings: dict[str, list[float]] = {}
 
-    # -- one block's bytes ----------------------------------------------------------
-    def _rows(self, buf: torch.Tensor) -> torch.Tensor:
-        """A block's bytes viewed [slots, 2 (K, V), heads, block_size, row] in its form."""
-        n = len(self.kv)
-        if self.compress:
-            return buf.view(n, 2, self.heads, self.block_size, self.row + 4)
-        return buf.view(self.cache_dtype).view(n, 2, self.heads, self.block_size, self.row)
-
-    def _gather(self, block_id: int) -> torch.Tensor:
-        """[slots, 2, heads, block_size, row] of the pool block, on the cache's device."""
-        return torch.stack([torch.stack((k[:, block_id], v[:, block_id])) for k, v in self.kv])
+    # -- blocks' bytes ------------------------------------------------------------------
+    def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """[n, slots, 2 (K, V), heads, block_size, row] of these pool blocks, on the cache's device."""
+        per_slot = [torch.stack((k.index_select(1, block_ids), v.index_select(1, block_ids))) for k, v in self.kv]
+        return torch.stack(per_slot).permute(3, 0, 1, 2, 4, 5)
 
     def _encode(self, values: torch.Tensor) -> torch.Tensor:
-        """The block's values in the stored form, as bytes [block_bytes] on their device."""
+        """Blocks' values -> their stored form, [n, block_bytes] uint8 on their device."""
+        n = values.shape[0]
         if not self.compress:
-            return values.contiguous().view(torch.uint8).reshape(-1)
+            return values.contiguous().view(torch.uint8).reshape(n, -1)
         q, scale = quantize_rows_int8(values)
-        return torch.cat([scale.contiguous().view(torch.uint8).reshape(*scale.shape, 4), q.view(torch.uint8)],
-                         dim=-1).reshape(-1)
+        return torch.cat([scale.unsqueeze(-1).contiguous().view(torch.uint8), q.view(torch.uint8)],
+                         dim=-1).reshape(n, -1)
 
-    def _decode_into(self, data: torch.Tensor, block_id: int) -> None:
-        """Stored bytes (on the cache's device) -> the pool block's K and V."""
-        rows = self._rows(data)
+    def _scatter(self, data: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Stored bytes [n, block_bytes] (on the cache's device) -> the pool blocks' K and V."""
+        n = data.shape[0]
         if self.compress:
+            rows = data.view(n, len(self.kv), 2, self.heads, self.block_size, self.row + 4)
             scale = rows[..., :4].contiguous().view(torch.float32)
             values = (rows[..., 4:].view(torch.int8).float() * scale).to(self.cache_dtype)
         else:
-            values = rows
+            values = data.view(self.cache_dtype).view(n, len(self.kv), 2, self.heads, self.block_size, self.row)
+        values = values.permute(1, 2, 3, 0, 4, 5)  # [slots, 2, heads, n, block_size, row]
         for j, (k, v) in enumerate(self.kv):
-            k[:, block_id].copy_(values[j, 0])
-            v[:, block_id].copy_(values[j, 1])
+            k.index_copy_(1, block_ids, values[j, 0])
+            v.index_copy_(1, block_ids, values[j, 1])
 
     # -- the transfers ------------------------------------------------------------------
     def execute(self, transfers: list[tuple[str, int, int, bytes]],
                 kv_tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[str, bytes, int]]:
         """Do the copies in order; returns the reloads that failed as (kind, key, block id)
-        (their blocks hold garbage: the scheduler recomputes them)."""
+        (their blocks hold garbage: the scheduler recomputes them). A run of saves, or of
+        loads, goes as one batch, up to the first that writes a slot or block the run
+        already writes (within a batch, order does not matter)."""
         self.kv = kv_tensors
         failed = []
-        for kind, src, dst, key in transfers:
+        i = 0
+        while i < len(transfers):
+            kind = transfers[i][0]
+            j = i + 1
+            if kind in ("save", "load"):
+                written = {transfers[i][2]}
+                while j < len(transfers) and transfers[j][0] == kind and transfers[j][2] not in written:
+                    written.add(transfers[j][2])
+                    j += 1
+            run = transfers[i:j]
             t0 = time.perf_counter()
             if kind == "save":
-                self.host[dst].copy_(self._encode(self._gather(src)))
+                blocks = torch.tensor([t[1] for t in run], device=self.device)
+                slots = torch.tensor([t[2] for t in run])
+                data = self._encode(self._gather(blocks))
+                self.host.index_copy_(0, slots, data.to("cpu"))
             elif kind == "load":
-                self._decode_into(self.host[src].to(self.device, non_blocking=True), dst)
+                slots = torch.tensor([t[1] for t in run])
+                blocks = torch.tensor([t[2] for t in run], device=self.device)
+                self._scatter(self.host.index_select(0, slots).to(self.device, non_blocking=True), blocks)
             elif kind == "spill":
-                self._spill(src, dst)
+                self._spill(run[0][1], run[0][2])
             elif kind == "load_disk":
+                _, src, dst, key = run[0]
                 data = self._read_disk(src)
                 if data is None:
                     failed.append((kind, key, dst))
-                    continue
-                self._decode_into(data.to(self.device), dst)
+                else:
+                    self._scatter(data.view(1, -1).to(self.device), torch.tensor([dst], device=self.device))
             else:
                 raise ValueError(f"unknown KV transfer {kind!r}")
             entry = self.timings.setdefault(kind, [0.0, 0])
             entry[0] += time.perf_counter() - t0
-            entry[1] += 1
+            entry[1] += len(run)
+            i = j
         return failed
 
     def take_timings(self) -> dict[str, list[float]]:
