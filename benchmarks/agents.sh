@@ -7,6 +7,8 @@
 #              prefix caching on, its blocks evicted by LRU during tool calls)
 #    program   `--scheduling-policy program`, calls with session_id (pinned KV, warm calls
 #              first, PLAS, the door for new programs)
+#    fcfs_tier, program_tier   the same with a host KV tier of TIER_GIB GiB
+#              (`--kv-offload-memory`): evicted blocks reloaded instead of recomputed
 #  fairness: one light tenant's programs,
 #    alone     by themselves (its baseline), on `--scheduling-policy fair`
 #    fair      beside a heavy tenant sending HEAVY times its programs, on `fair`
@@ -23,6 +25,7 @@
 #   PROGRAMS [24]  RATE [0.5 programs/s]  HEAVY [10]  LIGHT_PROGRAMS [4]
 #   FAIR_RATE [1.0 programs/s, light and heavy together]  SEED [0]
 #   SERVE_FLAGS [extra flags for every server]  EXPERIMENTS ["programs fairness"]
+#   CONFIGS ["fcfs program": the programs experiment's configurations]  TIER_GIB [1]
 set -euo pipefail
 SELF=$(realpath "$0")
 cd "$(dirname "$SELF")/.."
@@ -41,6 +44,8 @@ FAIR_RATE=${FAIR_RATE:-1.0}
 SEED=${SEED:-0}
 SERVE_FLAGS=${SERVE_FLAGS:-}
 EXPERIMENTS=${EXPERIMENTS:-programs fairness}
+CONFIGS=${CONFIGS:-fcfs program}
+TIER_GIB=${TIER_GIB:-1}
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUTDIR"
 log() { echo "[agents $(date +%H:%M:%S)] $*" >&2; }
@@ -56,21 +61,25 @@ bench() {  # OUT.json ARGS...   (then the server's session and preemption counte
     # (Exit 1 means some call failed: the report counts them; the sitting goes on.)
     .venv/bin/sluice bench agents --url "http://127.0.0.1:$PORT" --seed "$SEED" --json "$out" "$@" > /dev/null \
         || log "some calls failed: see failed_calls in $out"
-    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^sluice_(session_events_total|num_preemptions_total|prefix_cache_(hits|queries)_total)' \
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^sluice_(session_events_total|num_preemptions_total|prefix_cache_(hits|queries)_total|kv_offload_)' \
         > "${out%.json}.metrics" || true
 }
 
 for r in $(seq 1 "$ROUNDS"); do
     for exp in $EXPERIMENTS; do
         if [ "$exp" = programs ]; then
-            for cfg in fcfs program; do
+            for cfg in $CONFIGS; do
                 log "round $r: programs/$cfg"
                 name=$OUTDIR/programs_${cfg}_r$r
-                if [ "$cfg" = fcfs ]; then
-                    kv_server "$name.log" --scheduling-policy fcfs
+                tier=()
+                if [[ "$cfg" == *_tier ]]; then
+                    tier=(--kv-offload-memory "$TIER_GIB")
+                fi
+                if [[ "$cfg" == fcfs* ]]; then
+                    kv_server "$name.log" --scheduling-policy fcfs "${tier[@]}"
                     bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE"
                 else
-                    kv_server "$name.log" --scheduling-policy program
+                    kv_server "$name.log" --scheduling-policy program "${tier[@]}"
                     bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE" --sessions
                 fi
                 stop_server

@@ -33,7 +33,10 @@ def one(model_json: str, shape: str, kv: float, rate: float, cfg: str, seed: int
     flags = [str(offload) if f == "OFFLOAD" else f for f in CONFIGS[cfg]]
     cmd = [sys.executable, "benchmarks/agents_sim.py", "run", "--model-json", model_json, "--kv-gib", str(kv),
            "--program-rate", str(rate), "--seed", str(seed), *SHAPES[shape], *flags]
-    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:  # (a stuck scheduler is a finding: its row says so, the sweep goes on)
+        return {"error": done.stderr.strip().splitlines()[-1], "cmd": " ".join(cmd)}
+    return json.loads(done.stdout)
 
 
 def main(argv=None) -> int:
@@ -62,8 +65,15 @@ def main(argv=None) -> int:
             json.dump([{"shape": g[0], "kv_gib": g[1], "rate": g[2], "config": g[3], "seed": g[4], **r}
                        for g, r in runs.items()], f)
 
+    failed = [r for r in reports if "error" in r]
+    for r in failed:
+        print(f"FAILED: {r['cmd']}: {r['error']}", file=sys.stderr)
+
     def med(shape, kv, rate, cfg, key):
-        return statistics.median(runs[(shape, kv, rate, cfg, s)][key] for s in range(args.seeds))
+        values = [runs[(shape, kv, rate, cfg, s)].get(key) for s in range(args.seeds)]
+        if any(v is None for v in values):
+            return float("nan")  # a run failed (stderr names it)
+        return statistics.median(values)
 
     print(f"| shape | KV GiB | programs/s | FCFS JCT p50 / p99 s | FCFS hits | "
           + " | ".join(f"{c} p50 / p99 / tok/s vs FCFS" for c in list(CONFIGS)[1:]) + " |")

@@ -26,7 +26,8 @@ def load(outdir: Path, prefix: str) -> list[dict]:
 def main() -> None:
     outdir = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/agents")
     rows = []
-    for cfg, label in (("fcfs", "fcfs, no sessions"), ("program", "program + sessions")):
+    for cfg, label in (("fcfs", "fcfs, no sessions"), ("fcfs_tier", "fcfs, no sessions, host KV tier"),
+                       ("program", "program + sessions"), ("program_tier", "program + sessions, host KV tier")):
         runs = load(outdir, f"programs_{cfg}")
         if not runs:
             continue

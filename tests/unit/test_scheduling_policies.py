@@ -468,6 +468,21 @@ def test_while_pins_are_held_admissions_leave_a_block_per_running_request():
     assert s.sessions.num_pinned == 3
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "program"])
+def test_with_nothing_running_pins_give_way_to_a_call_that_needs_their_room(policy):
+    """A call bigger than the free pool, while pins hold the rest and nothing runs that
+    could finish and make room: the pins go now (they waited out their TTL before, and
+    the queue with them: minutes)."""
+    s = make(num_blocks=16, budget=64, policy=policy, session_ttl_s=3600, session_ttl_max_s=3600)
+    s.add_request(req("c1", 30, session_id="a"))
+    admission_order(s)                        # 7 blocks pinned, 9 free
+    assert s.sessions.num_pinned == 7
+    s.add_request(req("big", [5000 + j for j in range(50)], max_tokens=2, session_id="b"))  # 13 blocks
+    plan, _ = step(s)
+    assert [e.request_id for e in plan.scheduled] == ["big"]
+    assert s.sessions.num_pinned == 0 and any("nothing running" in d for d in s.last_decisions)
+
+
 def test_a_tenant_flooding_sessions_pushes_out_its_own_pins_not_anothers():
     s = make(num_blocks=64, max_pinned_fraction=0.25, max_sessions=4)  # pins: at most 16 blocks
     s.add_request(req("a1", [9000 + j for j in range(14)], session_id="quiet", tenant="A"))

@@ -502,6 +502,13 @@ class Scheduler:
             prefix = self.kv.fit_prefix(req, self.kv.find_cached_prefix(req),
                                         lambda p: min(rest - p.num_tokens, budget))  # noqa: B023
             n = min(rest - prefix.num_tokens, budget)
+            if not self.running and self.sessions.num_pinned:
+                need = self.kv.free_blocks_taken(req, n, prefix)
+                if need > self.kv.num_free_blocks and self.sessions.free_for(need):
+                    # Nothing runs that could finish and make room: pins kept now only block
+                    # the queue (until their TTL, minutes), so they go.
+                    decisions.append(f"unpin for {req.request_id} (nothing running)")
+                    continue
             # While sessions hold pins, an admission leaves a free block per running request
             # (their next blocks): else the running requests' growth would take the pins at
             # once, and admissions, not running requests, would decide which pins survive.
