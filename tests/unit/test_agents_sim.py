@@ -27,7 +27,8 @@ def args(**kw) -> argparse.Namespace:
     base = dict(tokenizer="smollm2-135m", programs=12, program_rate=2.0, tool_median=1.0, output_len=8,
                 kv_gib=0.05, policy="fcfs", sessions=False, starvation_s=30.0, max_pinned_fraction=0.5,
                 max_num_batched_tokens=256, seed=0, variant=None, slowdown=1.0, tool_sigma=1.0, tools=0,
-                tool_hints=False)
+                tool_hints=False, short_frac=0.7, tool_len=(60, 120), offload_gib=0.0, offload_dtype="int8",
+                offload_save_us=362.0, offload_load_us=274.0)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -39,7 +40,8 @@ def programs(sim):
 
 @pytest.mark.parametrize("kw", [dict(), dict(policy="program", sessions=True),
                                 dict(policy="program", sessions=True, variant="nodoor"),
-                                dict(policy="program", sessions=True, tools=4, tool_hints=True)])
+                                dict(policy="program", sessions=True, tools=4, tool_hints=True),
+                                dict(policy="program", sessions=True, offload_gib=0.05)])
 def test_every_program_finishes_and_no_block_leaks(sim, programs, kw):
     a = args(**kw)
     if a.tools:
@@ -57,6 +59,8 @@ def test_every_program_finishes_and_no_block_leaks(sim, programs, kw):
     # Only pins (sessions) may still hold blocks once every call has ended.
     assert s.kv.num_free_blocks + s.sched.sessions.num_pinned == s.kv.num_blocks
     assert not s.sched.has_unfinished_requests()
+    if a.offload_gib:
+        assert report["offload_hits"] > 0  # the cache is small enough that histories come back from the tier
     if a.tool_hints:
         assert s.sched.sessions.tool_gaps  # the tools' gaps were learned
     # Same seed, same flags: the same run, to the step.

@@ -30,6 +30,10 @@ from sluice.backends.kv_int8 import quantize_rows_int8
 
 logger = logging.getLogger(__name__)
 
+# Blocks copied per batch: a long history's reload as one batch made float32 temporaries
+# of ~0.7 MiB a block (an int8 block decoded), hundreds of MiB for a 7k-token history.
+MAX_BATCH = 32
+
 def offload_compresses(mode: str, cache_dtype: torch.dtype, deterministic: bool) -> bool:
     """Whether offloaded blocks take the int8 form: asked for, or "auto" for a 16-bit
     floating-point cache outside deterministic mode (float32 caches are the exact-match
@@ -115,8 +119,8 @@ class OffloadStore:
                 kv_tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[str, bytes, int]]:
         """Do the copies in order; returns the reloads that failed as (kind, key, block id)
         (their blocks hold garbage: the scheduler recomputes them). A run of saves, or of
-        loads, goes as one batch, up to the first that writes a slot or block the run
-        already writes (within a batch, order does not matter)."""
+        loads, goes in batches of up to MAX_BATCH, each ending before a copy that writes a
+        slot or block the batch already writes (within a batch, order does not matter)."""
         self.kv = kv_tensors
         failed = []
         i = 0
@@ -125,7 +129,8 @@ class OffloadStore:
             j = i + 1
             if kind in ("save", "load"):
                 written = {transfers[i][2]}
-                while j < len(transfers) and transfers[j][0] == kind and transfers[j][2] not in written:
+                while (j < len(transfers) and j - i < MAX_BATCH and transfers[j][0] == kind
+                       and transfers[j][2] not in written):
                     written.add(transfers[j][2])
                     j += 1
             run = transfers[i:j]
