@@ -53,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "later hit copies them back instead of recomputing them (default 0: off)")
     g.add_argument("--kv-offload-dir", default=None,
                    help="a folder for a disk tier below --kv-offload-memory (blocks the host tier lets go; one "
-                        "file, checksummed per block, removed at exit)")
+                        "file, checksummed per block, gone with the process)")
     g.add_argument("--kv-offload-disk-size", type=float, default=4.0,
                    help="GiB of the disk tier in --kv-offload-dir (default 4)")
     g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "exact", "int8"],
