@@ -10,11 +10,22 @@ import random
 import pytest
 import torch
 
-from sluice import LLM, SamplingParams
+from sluice import LLM as _LLM
+from sluice import SamplingParams
 from sluice.metrics import Metrics
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def LLM(**kwargs):
+    """sluice.LLM with the offload index's cost model off: these tests count reloads, and
+    whether a reload beats recomputing is the wall clock's call (the cost model has its
+    own test on given costs, tests/unit/test_kv_offload_index.py)."""
+    llm = _LLM(**kwargs)
+    if llm.engine.kv.offload is not None:
+        llm.engine.kv.offload.use_costs = False
+    return llm
 
 
 def snapshot(llm) -> dict[bytes, torch.Tensor]:

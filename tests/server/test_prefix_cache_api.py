@@ -61,6 +61,7 @@ def test_offloaded_prefixes_come_back_through_the_server(tiny_checkpoint, tmp_pa
     assert kwargs == dict(kv_offload_memory=0.0005, kv_offload_dir=str(tmp_path), kv_offload_disk_size=0.01,
                           kv_offload_dtype="exact")
     aengine, metrics, _ = start_engine(path, num_blocks=24, **kwargs)
+    aengine.engine.kv.offload.use_costs = False  # (the reloads counted below are not the clock's call)
     srv = RunningServer(aengine, ServerConfig(served_model_name=MODEL), metrics)
     def complete(prompt: str) -> dict:
         r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3,

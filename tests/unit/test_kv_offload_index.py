@@ -57,6 +57,8 @@ def test_a_reload_costlier_than_recomputing_is_not_taken():
     for _ in range(40):
         ix.observe_loads("host", seconds=1.0, blocks=1)
     assert ix.where(key(1)) is None
+    ix.use_costs = False  # (tests that count reloads): every block a tier holds is taken
+    assert ix.where(key(1)) == "host"
 
 
 def test_failed_reloads_and_a_dead_disk_forget_their_blocks():

@@ -208,12 +208,11 @@ class KVCacheManager:
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
         pool_lookup, offload = self.pool.lookup, self.offload
 
-        def lookup(key: bytes):
+        def lookup_tiers(key: bytes):
             """The pool's block of this content, else an offload tier's name for it, else None."""
             block = pool_lookup(key)
-            if block is None and offload is not None:
-                return offload.where(key)
-            return block
+            return offload.where(key) if block is None else block
+        lookup = pool_lookup if offload is None else lookup_tiers
         k = len(hashes) if max_blocks is None else min(len(hashes), max_blocks)
         for g, w in enumerate(self.windows):  # full groups: every block from the first
             if not w:

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # of ~0.7 MiB a block (an int8 block decoded), hundreds of MiB for a 7k-token history.
 MAX_BATCH = 32
 
+
 def offload_compresses(mode: str, cache_dtype: torch.dtype, deterministic: bool) -> bool:
     """Whether offloaded blocks take the int8 form: asked for, or "auto" for a 16-bit
     floating-point cache outside deterministic mode (float32 caches are the exact-match
