@@ -181,6 +181,44 @@ def test_wide_block_weights_match_reference_and_are_row_invariant(k, n, kdim, bi
     assert torch.equal(k.w4a8_rows(ids, packed2, pd2, pm2, kdim), values[ids])
 
 
+@pytest.mark.parametrize("n,kdim,bias", [(200, 512, True), (37, 256, False)])
+def test_q6k_weights_match_reference_and_are_row_invariant(k, n, kdim, bias):
+    """Q6_K in its own form (q6k.cpp): q in 0..63 at both ends, int8 scales per 16 k at
+    -128 and 127, through the w4a8 entry points; w4a8_rows reads back ggml's values."""
+    from sluice.quantization.gguf_blocks import Q6KBlocks
+    g = torch.Generator().manual_seed(n + kdim)
+    q = torch.randint(0, 64, (n, kdim), generator=g, dtype=torch.uint8)
+    q[: n // 2, : kdim // 2] = 63
+    q[n // 2:, : kdim // 4] = 0
+    sc = torch.randint(-128, 128, (n, kdim // 16), generator=g, dtype=torch.int8)
+    sc[0], sc[1] = -128, 127
+    d = (torch.rand(n, kdim // 256, generator=g) * 1e-4).half().float()
+    blocks = Q6KBlocks(q, sc, d)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(70, kdim, generator=g)
+    x[:3, : kdim // 2] = 4.0
+    x[3:5, : kdim // 2] = -4.0
+    x = x.to(torch.bfloat16)
+    low, top, psc, pd = k.q6k_pack_weight(q, sc, d)
+    assert low.numel() + top.numel() == -(-n // 16) * 16 * kdim * 6 // 8  # 6 bits a weight
+    full = k.w4a8_linear(x, low, pd, psc, n, b, True, top)
+    ref = quantized_activations(x) @ blocks.values().double().T + (0 if b is None else b.double())
+    err = (full.double() - ref).abs()
+    # A quantum or two apart where an activation's rounding went the other way, else float32's.
+    assert err.max().item() < 2.01 * (x.float().abs().amax() / 127 * blocks.values().abs().amax()).item()
+    assert err.median().item() < 1e-5 * ref.abs().max().item()
+    assert err[:5].max().item() < 1e-5 * ref[:5].abs().max().item()  # the edge rows
+    for s, m in row_slices(70):
+        assert torch.equal(k.w4a8_linear(x[s:s + m], low, pd, psc, n, b, True, top), full[s:s + m]), (s, m)
+    assert torch.equal(k.w4a8_linear(x[:4], low, pd, psc, n, b, False, top), full[:4].to(torch.bfloat16))
+    ids = torch.tensor([0, n - 1, n // 2, 5])
+    assert torch.equal(k.w4a8_rows(ids, low, pd, psc, kdim, top), blocks.values()[ids])
+    with pytest.raises(RuntimeError, match="0..63"):
+        k.q6k_pack_weight(q | 64, sc, d)
+    with pytest.raises(RuntimeError, match="256"):
+        k.q6k_pack_weight(q[:, :128], sc[:, :8], d[:, :0])
+
+
 def test_block_rows_read_back_4bit_weights_from_either_layout(k):
     g = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (40, 96), generator=g, dtype=torch.uint8)

@@ -9,11 +9,12 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from sluice.quantization.gguf_blocks import BLOCK_TYPES, blocks_values, decode_blocks, quantize_8bit_blocks
+from sluice.quantization.gguf_blocks import (BLOCK_TYPES, Q6KBlocks, blocks_of, blocks_values, decode_blocks, decode_q6k,
+                                             quantize_8bit_blocks)
 
 # Byte offsets of each type's float16 scale fields within a block.
 F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
-              "Q5_K": (0, 2)}
+              "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -47,7 +48,18 @@ def test_types_without_an_exact_block_form_are_not_decoded():
     raw = random_blocks("Q8_0", 2, 64)
     raw.reshape(-1, 34)[0, 2] = 0x80  # a -128
     assert decode_blocks(raw, "Q8_0", (2, 64)) is None
-    assert decode_blocks(np.zeros(210, np.uint8), "Q6_K", (1, 256)) is None
+    assert decode_blocks(np.zeros(210, np.uint8), "Q6_K", (1, 256)) is None  # it has its own form
+
+
+def test_q6k_blocks_hold_ggml_values_exactly():
+    rows, k = 6, 512
+    raw = random_blocks("Q6_K", rows, k)
+    qtype = GGMLQuantizationType.Q6_K
+    ref = dequantize(raw.reshape(quant_shape_to_byte_shape((rows, k), qtype)), qtype).reshape(rows, k)
+    blocks = Q6KBlocks(*map(torch.from_numpy, decode_q6k(raw, (rows, k))))
+    assert blocks.q.max() <= 63 and blocks.sc.shape == (rows, k // 16) and blocks.d.shape == (rows, k // 256)
+    assert torch.equal(blocks.values(), torch.from_numpy(ref.astype(np.float32)))
+    assert torch.equal(blocks_of(blocks), blocks.values())
 
 
 def test_8bit_blocks_of_loaded_values():
@@ -82,7 +94,7 @@ def test_loader_hands_over_the_files_blocks():
 
 
 def test_gemma_q4_k_m_blocks_hold_the_files_values():
-    """The real K-quant file's types (one layer's Q5_0, Q8_0 and Q4_K matrices): exact."""
+    """The real K-quant file's types (one layer's Q5_0, Q8_0, Q4_K and Q6_K matrices): exact."""
     from sluice.models.loader import _gguf_array, read_gguf, resolve_model
     meta, tensors, data = read_gguf(resolve_model("gemma3-270m").path)
     seen = set()
@@ -91,14 +103,14 @@ def test_gemma_q4_k_m_blocks_hold_the_files_values():
         if not t.name.startswith("blk.1.") or len(t.shape) != 2:
             continue
         raw = _gguf_array(data, t)
-        blocks = decode_blocks(raw, qtype.name, t.shape)
         if qtype.name == "Q6_K":
-            assert blocks is None
-            continue
+            blocks = Q6KBlocks(*map(torch.from_numpy, decode_q6k(raw, t.shape)))
+        else:
+            blocks = tuple(map(torch.from_numpy, decode_blocks(raw, qtype.name, t.shape)))
         seen.add(qtype.name)
         want = torch.from_numpy(dequantize(raw, qtype).reshape(t.shape).astype(np.float32))
-        assert torch.equal(blocks_values(*map(torch.from_numpy, blocks)), want), t.name
-    assert seen == {"Q5_0", "Q8_0", "Q4_K"}
+        assert torch.equal(blocks_of(blocks), want), t.name
+    assert seen == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
 
 
 def test_source_form_keeps_offsets_for_symmetric_rows_and_minimums_otherwise():
@@ -121,3 +133,56 @@ def test_source_form_keeps_offsets_for_symmetric_rows_and_minimums_otherwise():
     q, d, m = source_form(layer)
     assert m.shape == (12, 8) and torch.equal(m[8:], layer.source_blocks[8][2])
     assert torch.equal(m[:4], -16 * d[:4])
+
+
+def test_q6k_rows_run_in_their_own_form_alone_and_as_8bit_blocks_in_a_fused_layer():
+    """A layer that is one Q6_K tensor keeps it (q6k_form); a fused layer with a Q6_K part
+    (a Q4_K_M file's attn_v beside q and k) takes 8-bit blocks of its exact values."""
+    from sluice.models.linear import Linear
+    from sluice.quantization.gguf import q6k_form, source_form
+    q6 = Q6KBlocks(*map(torch.from_numpy, decode_q6k(random_blocks("Q6_K", 4, 256, 4), (4, 256))))
+    alone = Linear(256, 4, bias=False)
+    alone.source_blocks = {0: q6}
+    assert q6k_form(alone) is q6
+    fused = Linear(256, 8, bias=False)
+    fused.source_blocks = {0: tuple(torch.from_numpy(a) for a in decode_blocks(random_blocks("Q8_0", 4, 256, 5),
+                                                                                "Q8_0", (4, 256))), 4: q6}
+    assert q6k_form(fused) is None
+    q, d, m = source_form(fused)
+    want = quantize_8bit_blocks(q6.values())
+    assert torch.equal(q[4:], want[0]) and torch.equal(d[4:], want[1]) and m.shape == (8,)
+
+
+def test_loader_hands_over_q6k_matrices_in_their_own_form():
+    """Gemma's Q4_K_M file: its first Q6_K matrix (layer 0's ffn_down) comes as Q6KBlocks
+    holding ggml's values (the loader stops there: no need to read the rest)."""
+    from gguf.constants import GGMLQuantizationType as T
+    from sluice.models.loader import _gguf_array, iter_weights, read_gguf, resolve_model
+    src = resolve_model("gemma3-270m")
+    meta, tensors, data = read_gguf(src.path)
+    raw = next(_gguf_array(data, t) for t in tensors if t.name == "blk.0.ffn_down.weight")
+    want = torch.from_numpy(dequantize(raw, T.Q6_K).reshape(640, 2048).astype(np.float32))
+    for name, tensor in iter_weights(src, torch.bfloat16, blocks=True):
+        if name == "model.layers.0.mlp.down_proj.weight":
+            break
+    assert tensor.device.type == "meta" and isinstance(tensor.gguf_blocks, Q6KBlocks)
+    assert torch.equal(tensor.gguf_blocks.values(), want)
+
+
+@pytest.mark.requires("kernels")
+def test_gguf_scheme_runs_a_q6k_layer_in_its_own_kernel(isa_kernels):
+    """quantization='gguf' packs a layer of one Q6_K tensor for q6k.cpp (6 bits a weight, int8
+    scales) and releases its weight; the layer's output is the kernel's on the file's values."""
+    from torch import nn
+    from sluice.models.linear import Linear
+    from sluice.quantization.gguf import GGUF_SCHEME
+    q6 = Q6KBlocks(*map(torch.from_numpy, decode_q6k(random_blocks("Q6_K", 40, 512, 6), (40, 512))))
+    layer = Linear(512, 40, bias=False)
+    layer.source_blocks = {0: q6}
+    method = GGUF_SCHEME.kernel_method(isa_kernels, nn.Module(), "down", layer, torch.bfloat16, False)
+    assert method.w4m.dtype == torch.int8 and layer.weight.device.type == "meta"
+    assert torch.equal(isa_kernels.w4a8_rows(torch.arange(40), method.w4a8, method.w4d, method.w4m, 512,
+                                             method.w4nib), q6.values())
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    y = method(x)
+    assert y.shape == (3, 40) and torch.equal(y[1:2], method(x[1:2]))

@@ -59,6 +59,25 @@ def test_linear_layers(builds, dtype, m, n, kdim):
                                 k.w4a8_linear(x, *k.w4a8_pack_weight(*wide[:2], torch.full((n,), -127.0)), n, b)))
 
 
+@pytest.mark.parametrize("m,n,kdim", [(1, 96, 256), (9, 37, 512), (40, 200, 768)])
+def test_q6k_layers(builds, m, n, kdim):
+    """Q6_K's own kernel (q6k.cpp) at its extremes: q 0 and 63, scales -128 and 127."""
+    g = torch.Generator().manual_seed(m + n)
+    q = torch.randint(0, 64, (n, kdim), generator=g, dtype=torch.uint8)
+    q[0], q[1] = 63, 0
+    sc = torch.randint(-128, 128, (n, kdim // 16), generator=g, dtype=torch.int8)
+    sc[:, 0], sc[:, 1] = -128, 127
+    d = (torch.rand(n, kdim // 256, generator=g) * 1e-3).half().float()
+    x = torch.randn(m, kdim, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+
+    def run(k):
+        low, top, psc, pd = k.q6k_pack_weight(q, sc, d)
+        return (k.w4a8_linear(x, low, pd, psc, n, b, False, top), k.w4a8_linear(x, low, pd, psc, n, None, True, top),
+                k.w4a8_rows(torch.arange(n), low, pd, psc, kdim, top))
+    same(builds, run)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norms_activation_and_rope(builds, dtype):
     g = torch.Generator().manual_seed(1)

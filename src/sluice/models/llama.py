@@ -24,7 +24,7 @@ from torch import nn
 from sluice.backends.torch_ref import TORCH_OPS
 from sluice.distributed.parallel import SINGLE, TPShard, split
 from sluice.models.linear import Embedding, Linear
-from sluice.quantization.gguf_blocks import blocks_values
+from sluice.quantization.gguf_blocks import blocks_of
 
 
 @dataclass
@@ -479,7 +479,7 @@ class LlamaForCausalLM(nn.Module):
                 if blocks is None or part.shape != tensor.shape:
                     raise ValueError(f"{name}: a layer built without weights takes a GGUF's blocks whole")
             elif tensor.device.type == "meta":  # only the blocks came: the values from them
-                dst.copy_(blocks_values(*blocks))
+                dst.copy_(blocks_of(blocks))
             else:
                 dst.copy_(part)
             if blocks is not None and part.shape == tensor.shape:

@@ -442,7 +442,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from sluice.quantization.gguf_blocks import decode_blocks, quantize_8bit_blocks
+    from sluice.quantization.gguf_blocks import Q6KBlocks, decode_blocks, decode_q6k, quantize_8bit_blocks
     kept, requantized = Counter(), Counter()
     meta, tensors, data = read_gguf(path)
     arch = meta["general.architecture"]
@@ -455,13 +455,16 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
     def matrix(raw, qtype, shape, heads):
         """A 2-D tensor in `dtype`; with blocks, its blocks attached: the file's own (the
         tensor then a meta one, never dequantized), else 8-bit ones of its values."""
-        own = decode_blocks(raw, qtype.name, shape) if blocks else None
+        own = None
+        if blocks:
+            own = decode_q6k(raw, shape) if qtype.name == "Q6_K" else decode_blocks(raw, qtype.name, shape)
         if own is not None:
             kept[qtype.name] += 1
+            form = Q6KBlocks if isinstance(own, Q6KBlocks) else lambda *a: tuple(a)
             if permute and heads is not None:
-                own = tuple(unpermute_qk(a, heads) for a in own)
+                own = [unpermute_qk(a, heads) for a in own]
             tensor = torch.empty(shape, dtype=dtype, device="meta")
-            tensor.gguf_blocks = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in own)
+            tensor.gguf_blocks = form(*(torch.from_numpy(np.ascontiguousarray(a)) for a in own))
             return tensor
         w = dequantize(raw, qtype).reshape(shape)
         if permute and heads is not None:

@@ -6,9 +6,12 @@ blocks (quantization/gguf_blocks.py: per block of 32, w = d * q + m, exactly the
 ggml dequantizes to) into the w4a8 kernel family (backends/cpu/x86/w4a8.cpp: 4-bit q in
 nibbles, wider q a byte each) times int8 activations per block of 32, as ggml's own CPU
 dot products quantize activations to Q8_0. Every layer, the LM head included: the file's
-precision is the model's. Tensors of other types (Q6_K, whose scales cover 16 k; float
-matrices; the 2- and 3-bit K-quants) are requantized to 8-bit blocks of 32 (near-lossless:
-error at most max|w| / 254 per block) by the loader, whose log line names them.
+precision is the model's. Q6_K, whose scales cover 16 k, has a kernel of its own
+(backends/cpu/x86/q6k.cpp: 6-bit q, its int8 scales per 16 k) for a layer whose rows are
+all one Q6_K tensor; where a fused layer joins Q6_K rows to other types (a Q4_K_M file's
+attn_v beside Q4_K q and k), those rows are requantized to 8-bit blocks of 32 from their
+exact values (error at most max|w| / 254 per block), as are tensors of the types no kernel
+here reads (float matrices, the 2- and 3-bit K-quants), which the loader's log line names.
 
 The embedding table is read from the same packed blocks as the tied LM head (no second
 copy), and 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte
@@ -20,12 +23,16 @@ cannot take weight updates (LLMEngine.update_weights refuses them).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from sluice.models.linear import Linear
 from sluice.quantization.base import QuantizationScheme
-from sluice.quantization.gguf_blocks import QK, quantize_8bit_blocks
+from sluice.quantization.gguf_blocks import QK, Q6KBlocks, quantize_8bit_blocks
+
+logger = logging.getLogger(__name__)
 
 
 def _symmetric_offset(d: torch.Tensor, m: torch.Tensor) -> float | None:
@@ -37,12 +44,22 @@ def _symmetric_offset(d: torch.Tensor, m: torch.Tensor) -> float | None:
     return None
 
 
+def q6k_form(module: nn.Module) -> Q6KBlocks | None:
+    """The layer's Q6_K blocks where one Q6_K tensor gave all its rows, else None."""
+    parts = getattr(module, "source_blocks", None) or {}
+    only = parts.get(0) if len(parts) == 1 else None
+    if isinstance(only, Q6KBlocks) and only.q.shape == tuple(module.weight.shape):
+        return only
+    return None
+
+
 def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, d, m) of the whole weight: the file's blocks where the loader kept them
     (`module.source_blocks`: first row -> (q, d, m)), 8-bit blocks of the loaded values
-    for rows it did not. Where the weights are wide (q past 15) and every row symmetric,
-    m is one -offset per row [N] instead of one minimum per block (w4a8.cpp computes
-    each block's as d times it: a quarter of the bytes of the 8-bit form not stored)."""
+    for rows it did not (and of a Q6_K part's values). Where the weights are wide (q past
+    15) and every row symmetric, m is one -offset per row [N] instead of one minimum per
+    block (w4a8.cpp computes each block's as d times it: a quarter of the bytes of the
+    8-bit form not stored)."""
     weight = module.weight
     n, k = weight.shape
     nblk = -(-k // QK)
@@ -51,7 +68,8 @@ def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     offsets = torch.full((n,), 127.0)  # the 8-bit blocks' (quantize_8bit_blocks)
     symmetric = True
     covered = torch.zeros(n, dtype=torch.bool)
-    for start, (bq, bd, bm) in (getattr(module, "source_blocks", None) or {}).items():
+    for start, part in (getattr(module, "source_blocks", None) or {}).items():
+        bq, bd, bm = quantize_8bit_blocks(part.values()) if isinstance(part, Q6KBlocks) else part
         rows = bq.shape[0]
         q[start:start + rows], d[start:start + rows], m[start:start + rows] = bq, bd, bm
         covered[start:start + rows] = True
@@ -103,8 +121,11 @@ class GGUF(QuantizationScheme):
 
     def kernel_method(self, kernels, model, name, module: Linear, dtype, deterministic):
         from sluice.backends.cpu.linear import kernel_weight
-        method = kernel_weight(kernels, module.weight, None, deterministic, w4=source_form(module),
-                               nibbles_only=True)
+        q6k = q6k_form(module)
+        if q6k is None and any(isinstance(p, Q6KBlocks) for p in (getattr(module, "source_blocks", None) or {}).values()):
+            model.gguf_q6k_fused = getattr(model, "gguf_q6k_fused", 0) + 1  # said once, in embedding_and_head
+        method = kernel_weight(kernels, module.weight, None, deterministic, nibbles_only=True,
+                               **({"q6k": q6k} if q6k is not None else {"w4": source_form(module)}))
         release_weight(module)
         return method
 
@@ -112,8 +133,13 @@ class GGUF(QuantizationScheme):
         """Pack the embedding table (the tied head's weights too) and read the embedding's
         rows from it; returns the tied head's method, or None for an untied model."""
         from sluice.backends.cpu.linear import kernel_weight
+        if getattr(model, "gguf_q6k_fused", 0):
+            logger.info("quantization='gguf': %d fused layers join Q6_K rows to other types; those rows run as "
+                        "8-bit blocks of their exact values", model.gguf_q6k_fused)
         emb = model.model.embed_tokens
-        method = kernel_weight(kernels, emb.weight, None, deterministic, w4=source_form(emb), nibbles_only=True)
+        q6k = q6k_form(emb)
+        method = kernel_weight(kernels, emb.weight, None, deterministic, nibbles_only=True,
+                               **({"q6k": q6k} if q6k is not None else {"w4": source_form(emb)}))
         emb.method = BlockRows(kernels, method, emb.weight.shape[1], dtype)
         release_weight(emb)
         return method if model.lm_head is None else None

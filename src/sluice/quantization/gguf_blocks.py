@@ -8,11 +8,15 @@ Each type's values come out exactly as ggml (and the gguf package) dequantizes t
 - Q4_1, Q5_1: w = d * q + m as stored;
 - Q4_K, Q5_K: super-blocks of 256 with a 6-bit scale and minimum per sub-block of 32:
   d = d_super * scale, m = -dmin_super * min, both exact in float32.
-Q6_K's scales cover 16 k each, which no block of 32 holds exactly: it is not decoded here,
-nor are the 2- and 3-bit K-quants and the i-quants; the loader requantizes such matrices
-to 8-bit blocks (quantize_8bit_blocks) and says so.
+Q6_K's scales cover 16 k each, which no block of 32 holds exactly: it has a form of its
+own (Q6KBlocks, decode_q6k: 6-bit q, an int8 scale per 16 k, a float scale per 256), which
+backends/cpu/x86/q6k.cpp computes on. The 2- and 3-bit K-quants and the i-quants are not
+decoded here; the loader requantizes such matrices to 8-bit blocks (quantize_8bit_blocks)
+and says so.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -108,6 +112,45 @@ def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]
         return (q.reshape(rows, k).astype(np.uint8), d.reshape(rows, k // QK).astype(np.float32),
                 m.reshape(rows, k // QK).astype(np.float32))
     return None
+
+
+class Q6KBlocks(NamedTuple):
+    """A Q6_K matrix as stored, rows in the model's order: w = d * sc * (q - 32) per element,
+    with q [rows, k] uint8 in 0..63, sc [rows, k / 16] int8 (one per 16 k) and d
+    [rows, k / 256] float32 (one per super-block)."""
+    q: torch.Tensor
+    sc: torch.Tensor
+    d: torch.Tensor
+
+    def values(self) -> torch.Tensor:
+        """float32 [rows, k], as ggml computes them: (d * sc), exact in float32, times q - 32."""
+        rows, k = self.q.shape
+        dsc = self.d.repeat_interleave(QK_K // 16, dim=1) * self.sc.float()
+        return (dsc.repeat_interleave(16, dim=1) * (self.q.float() - 32)).view(rows, k)
+
+
+def decode_q6k(raw: np.ndarray, shape: tuple[int, int]) -> Q6KBlocks:
+    """A Q6_K tensor's bytes (rows of whole super-blocks of 210 bytes: ql[128], qh[64],
+    scales[16] int8, d float16) -> its Q6KBlocks, of numpy arrays (the loader makes them
+    tensors). Within each half of 128 values, element
+    32 j + l (j in 0..3) has its low 4 bits in ql[l + 32 (j % 2)] (the low nibble for j < 2,
+    the high one after) and its top two in bits 2j..2j+1 of qh[l] (ggml's dequantize_row_q6_K)."""
+    rows, k = shape
+    blk = np.ascontiguousarray(raw).reshape(-1, 210)
+    n = blk.shape[0]
+    ql = blk[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(n, 2, 4, 32)
+    qh = blk[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = ql | ((qh & 0x03) << 4)
+    sc = blk[:, 192:208].view(np.int8)
+    d = _f16(blk[:, 208:210])
+    return Q6KBlocks(q.reshape(rows, k).astype(np.uint8), np.ascontiguousarray(sc).reshape(rows, k // 16),
+                     d.reshape(rows, k // QK_K).astype(np.float32))
+
+
+def blocks_of(blocks) -> torch.Tensor:
+    """The float32 values of a matrix's blocks in either form (Q6KBlocks or (q, d, m))."""
+    return blocks.values() if isinstance(blocks, Q6KBlocks) else blocks_values(*blocks)
 
 
 def quantize_8bit_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

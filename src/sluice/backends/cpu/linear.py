@@ -9,7 +9,8 @@ F.linear once the backend (backends/cpu/backend.py) has set it:
   pack into it too: int8 weights by bf16 activations (up to KERNEL_INT8_MAX_ROWS rows, the
   bf16 weights above; every row count in deterministic mode), int8 weights by int8
   activations per block of 32 (w8a8.cpp), 4-bit weights in Q4_1's form by the same int8
-  activations (w4a8.cpp), and a GGUF's own blocks of up to 8 bits in the same form;
+  activations (w4a8.cpp), and a GGUF's own blocks of up to 8 bits in the same form (Q6_K
+  in its own: q6k.cpp, through the same entry points);
 - `PackedWeight`: a oneDNN prepacked bf16 weight, where our kernels do not run the model
   (the op inductor's freezing uses);
 - `Int8Weight`: int8 weight-only quantization on torch's kernels: rows of a step at most
@@ -44,6 +45,8 @@ class KernelWeight:
     w4d: torch.Tensor | None = None      # ... with its block scales
     w4m: torch.Tensor | None = None      # ... and block minimums
     w4nib: torch.Tensor | None = None    # ... and the weights two to a byte, for steps of few rows
+    # (Q6_K's form rides in the same fields, told apart by w4m's dtype, int8: w4a8 its low
+    # nibbles, w4nib its top bits, w4d its float scale per 256 k, w4m its int8 scales per 16 k)
     # float32 outputs by default: the LM head's logits, a row-parallel layer's partial sums
     out_float32: bool = False
 
@@ -61,10 +64,14 @@ class KernelWeight:
 def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None,
                   deterministic: bool, w8a8: bool = False,
                   w4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  nibbles_only: bool = False) -> KernelWeight:
+                  nibbles_only: bool = False, q6k=None) -> KernelWeight:
     """nibbles_only: 4-bit weights keep only their nibbles, at every row count (half the
-    memory on the AVX2 builds, which otherwise keep the byte layout for bigger steps)."""
+    memory on the AVX2 builds, which otherwise keep the byte layout for bigger steps).
+    q6k: a Q6_K matrix's blocks (quantization/gguf_blocks.py Q6KBlocks)."""
     weight = weight.detach()
+    if q6k is not None:  # one kernel at every row count, so batch-invariant whatever the mode
+        low, top, sc, d = kernels.q6k_pack_weight(q6k.q, q6k.sc, q6k.d)
+        return KernelWeight(kernels, weight.shape[0], None, w4a8=low, w4d=d, w4m=sc, w4nib=top)
     if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
         packed, d, m = kernels.w4a8_pack_weight(*w4)
         if packed.dtype == torch.int8:  # wide weights (up to 254): the byte layout at every row count

@@ -65,6 +65,14 @@ at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32,
                             c10::optional<at::Tensor> nibbles = c10::nullopt);
+// q6k.cpp: Q6_K weights in their own form (6-bit q, an int8 scale per 16 k, a float per
+// 256 k) by the same quantized activations. The w4a8 entry points take them too, told
+// apart by their int8 scales (KernelWeight: w4a8 = low nibbles, w4nib = top bits,
+// w4d = d, w4m = sc).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6k_pack_weight(at::Tensor q, at::Tensor sc, at::Tensor d);
+at::Tensor q6k_rows(at::Tensor ids, at::Tensor lo, at::Tensor hi, at::Tensor d, at::Tensor sc, int64_t K);
+at::Tensor linear_q6k_rows(const W8A8Rows& x, at::Tensor lo, at::Tensor hi, at::Tensor d, at::Tensor sc, int64_t N,
+                           c10::optional<at::Tensor> bias, bool out_float32);
 // head_w8a7.cpp: the greedy fast path's approximate LM head without the sign trick.
 at::Tensor head_w8a7_pack(at::Tensor q);
 at::Tensor head_w8a7(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N);

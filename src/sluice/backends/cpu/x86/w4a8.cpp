@@ -341,6 +341,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at
 // read from the LM head's packed copy instead of a second one.
 at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t K,
                      c10::optional<at::Tensor> nibbles) {
+  if (m.scalar_type() == at::kChar) {  // Q6_K's form (q6k.cpp): int8 scales per 16 k
+    TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
+    return q6k_rows(ids, packed, *nibbles, d, m, K);
+  }
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
   const int64_t Kp = padded_k(K), KS = Kp / 4, nblk = Kp / kBlock, NB = d.size(0);
   const bool bytes = packed.numel() > 0, wide = packed.scalar_type() == at::kChar;
@@ -396,6 +400,10 @@ int64_t w4a8_nibble_max_rows() { return kNibbleMaxRows; }
 
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
+  if (m.scalar_type() == at::kChar) {  // Q6_K's form (q6k.cpp): int8 scales per 16 k
+    TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
+    return linear_q6k_rows(x, packed, *nibbles, d, m, N, bias, out_float32);
+  }
   const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
   const bool wide = packed.scalar_type() == at::kChar;
   // Nibbles at every row count where the byte layout was not kept (this build's choice
