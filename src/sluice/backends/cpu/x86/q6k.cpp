@@ -69,7 +69,8 @@ inline __m512i unpack_q6(__m512i lo, __m512i hi, int t) {
                     : t == 1 ? _mm512_slli_epi16(hi, 2)
                     : t == 2 ? hi
                              : _mm512_srli_epi16(hi, 2);
-  return _mm512_or_si512(_mm512_and_si512(l, _mm512_set1_epi8(0x0F)), _mm512_and_si512(h, _mm512_set1_epi8(0x30)));
+  // (l & 0x0F) | (h & ~0x0F) in one vpternlogd (0xE4: C ? A : B), then the top two bits off.
+  return _mm512_and_si512(_mm512_ternarylogic_epi32(l, h, _mm512_set1_epi8(0x0F), 0xE4), _mm512_set1_epi8(0x3F));
 }
 #endif
 
