@@ -48,7 +48,7 @@ def window_logprobs(llm: LLM, windows: list[list[int]]):
         req = Request(f"ppl{i}", ids, SamplingParams(max_tokens=1), set(), 1)
         engine.kv.allocate(req, len(ids))
         entry = ScheduledRequest(req.request_id, ids, 0, engine.kv.block_ids(req.request_id), True,
-                                 req.params, ids, [])
+                                 req.params, ids, [], group_block_ids=engine.kv.group_block_ids(req.request_id))
         input_ids, positions, meta, _ = engine.runner._prepare(StepPlan([entry], len(ids)))
         hidden = engine.runner.model(input_ids, positions, meta, engine.runner.kv_caches)
         engine.kv.free(req)
