@@ -219,6 +219,31 @@ def test_q6k_weights_match_reference_and_are_row_invariant(k, n, kdim, bias):
         k.q6k_pack_weight(q[:, :128], sc[:, :8], d[:, :0])
 
 
+@pytest.mark.parametrize("n,kdim,symmetric", [(200, 640, True), (37, 100, False)])
+def test_5bit_block_weights_give_the_byte_forms_bits(k, n, kdim, symmetric):
+    """q up to 31 (Q5_0, Q5_1, Q5_K) packed at 5 bits a weight (w4a8_pack_5bit): the same
+    bits as the same blocks in the byte form, at every row count; rows read back exactly."""
+    g = torch.Generator().manual_seed(n + kdim)
+    nblk = -(-kdim // 32)
+    q = torch.randint(0, 32, (n, kdim), generator=g, dtype=torch.uint8)
+    q[0], q[1] = 31, 0
+    d = torch.rand(n, nblk, generator=g) * 0.01
+    mn = -16 * d if symmetric else -torch.rand(n, nblk, generator=g) * 0.1
+    x = torch.randn(70, kdim, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g)
+    five = k.w4a8_pack_5bit(q, d, torch.full((n,), -16.0) if symmetric else mn)
+    assert five[0].dim() == 5 and five[0].numel() == -(-n // 16) * 16 * nblk * 32 * 5 // 8
+    full = k.w4a8_linear(x, *five, n, b, True)
+    assert torch.equal(full, k.w4a8_linear(x, *k.w4a8_pack_weight(q, d, mn), n, b, True))
+    for s, m in row_slices(70):
+        assert torch.equal(k.w4a8_linear(x[s:s + m], *five, n, b, True), full[s:s + m]), (s, m)
+    values = (F.pad(q.float(), (0, nblk * 32 - kdim)).view(n, nblk, 32) * d[..., None] + mn[..., None])
+    ids = torch.tensor([0, n - 1, 1, 5])
+    assert torch.equal(k.w4a8_rows(ids, *five, kdim), values.view(n, -1)[:, :kdim][ids])
+    with pytest.raises(RuntimeError, match="0..31"):
+        k.w4a8_pack_5bit(q | 32, d, mn)
+
+
 def test_block_rows_read_back_4bit_weights_from_either_layout(k):
     g = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (40, 96), generator=g, dtype=torch.uint8)

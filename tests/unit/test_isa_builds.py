@@ -57,6 +57,10 @@ def test_linear_layers(builds, dtype, m, n, kdim):
         same(builds, lambda k: (k.w4a8_linear(x, *k.w4a8_pack_weight(*wide), n, b),
                                 k.w4a8_linear(x, *k.w4a8_pack_weight(*wide), n, None, True),
                                 k.w4a8_linear(x, *k.w4a8_pack_weight(*wide[:2], torch.full((n,), -127.0)), n, b)))
+        five = (wide[0] & 31, q4[1], -16 * q4[1])
+        same(builds, lambda k: (k.w4a8_linear(x, *k.w4a8_pack_5bit(*five), n, b),
+                                k.w4a8_linear(x, *k.w4a8_pack_5bit(*five[:2], torch.full((n,), -16.0)), n, None, True),
+                                k.w4a8_rows(torch.arange(n), *k.w4a8_pack_5bit(*five), kdim)))
 
 
 @pytest.mark.parametrize("m,n,kdim", [(1, 96, 256), (9, 37, 512), (40, 200, 768)])

@@ -9,8 +9,8 @@ F.linear once the backend (backends/cpu/backend.py) has set it:
   pack into it too: int8 weights by bf16 activations (up to KERNEL_INT8_MAX_ROWS rows, the
   bf16 weights above; every row count in deterministic mode), int8 weights by int8
   activations per block of 32 (w8a8.cpp), 4-bit weights in Q4_1's form by the same int8
-  activations (w4a8.cpp), and a GGUF's own blocks of up to 8 bits in the same form (Q6_K
-  in its own: q6k.cpp, through the same entry points);
+  activations (w4a8.cpp), and a GGUF's own blocks of up to 8 bits in the same form (5-bit
+  ones at 5 bits a weight; Q6_K in its own: q6k.cpp, through the same entry points);
 - `PackedWeight`: a oneDNN prepacked bf16 weight, where our kernels do not run the model
   (the op inductor's freezing uses);
 - `Int8Weight`: int8 weight-only quantization on torch's kernels: rows of a step at most
@@ -73,6 +73,9 @@ def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Te
         low, top, sc, d = kernels.q6k_pack_weight(q6k.q, q6k.sc, q6k.d)
         return KernelWeight(kernels, weight.shape[0], None, w4a8=low, w4d=d, w4m=sc, w4nib=top)
     if w4 is not None:  # one kernel at every row count, so batch-invariant whatever the mode
+        if 15 < int(w4[0].max()) <= 31:  # 5-bit blocks (Q5_0, Q5_1, Q5_K): 5 bits a weight, not a byte
+            packed, d, m = kernels.w4a8_pack_5bit(*w4)
+            return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
         packed, d, m = kernels.w4a8_pack_weight(*w4)
         if packed.dtype == torch.int8:  # wide weights (up to 254): the byte layout at every row count
             return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)

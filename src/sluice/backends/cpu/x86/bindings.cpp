@@ -64,6 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and minimums for w4a8_linear");
   m.def("w4a8_rows", &sluice::w4a8_rows, "rows ids of packed block weights as float32 q * d + m",
         py::arg("ids"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("k"), py::arg("nibbles") = py::none());
+  m.def("w4a8_pack_5bit", &sluice::w4a8_pack_5bit,
+        "pack [N, K] weights in 0..31 at 5 bits a weight (nibbles and a plane of fifth bits) with their block "
+        "scales and minimums (or one -offset per row) for w4a8_linear");
   m.def("w4a8_pack_nibbles", &sluice::w4a8_pack_nibbles,
         "the packed 4-bit weights two to a byte, which w4a8_linear reads for steps of few rows");
   m.def("w4a8_nibble_max_rows", &sluice::w4a8_nibble_max_rows,

@@ -56,6 +56,9 @@ at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor sca
 // nibbles: the same weights two to a byte (w4a8_pack_nibbles), read by steps of few rows.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at::Tensor d, at::Tensor m);
 at::Tensor w4a8_pack_nibbles(at::Tensor packed);
+// Weights of up to 5 bits (a GGUF's Q5_0, Q5_1, Q5_K) at 5 bits a weight, in one tensor of
+// five dimensions (the tag linear_w4a8_rows and w4a8_rows go by).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_5bit(at::Tensor q, at::Tensor d, at::Tensor m);
 int64_t w4a8_nibble_max_rows();  // the most rows a step may have to read the nibbles
 at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t K,
                      c10::optional<at::Tensor> nibbles);

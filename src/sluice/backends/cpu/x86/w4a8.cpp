@@ -32,6 +32,14 @@
 // comes as one -offset per row ([N/16][16]) and each block's is d times it, the same
 // float32 product the loader computed (exact: offsets of at most 7 bits by a float16 d).
 //
+// Five-bit weights (q up to 31: a GGUF's Q5_0, Q5_1 and Q5_K blocks) keep 5 bits a weight
+// instead of a byte (w4a8_pack_5bit): per block of 32 k and group of 16 columns, the four
+// nibble vectors of the nibble layout (two steps each) and then one vector of fifth bits
+// (step s of the block in bit s of each byte), 320 bytes in all, tagged by the packed
+// tensor's five dimensions. A step's q is its nibbles with its bit moved to bit 4 (a
+// 16-bit shift: bits that cross into the next byte land away from bit 4), then the 4-bit
+// path's unsigned products, pairs at most 2 * 31 * 127 on plain AVX2's vpmaddubsw.
+//
 // Every output element is reduced in an order fixed by its row alone (blocks in order, k
 // in order within a block, float sums in the same order in every build), so the kernel is
 // batch-invariant and every build gives the same bits.
@@ -91,6 +99,34 @@ inline void unpack_nibbles(__m512i v, __m512i& first, __m512i& second) {
   second = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #endif
 }
+
+// Step t (0..7) of a five-bit block: its nibbles (the low four bits of `nib`, already
+// shifted down for odd steps) with bit t of each byte of `bits` as bit 4.
+#if defined(SLUICE_AVX2)
+inline __m256i merge_fifth_half(__m256i nib, __m256i bits, int t) {
+  const __m256i b = t < 4 ? _mm256_slli_epi16(bits, 4 - t) : t == 4 ? bits : _mm256_srli_epi16(bits, t - 4);
+  return _mm256_or_si256(_mm256_and_si256(nib, _mm256_set1_epi8(0x0F)), _mm256_and_si256(b, _mm256_set1_epi8(0x10)));
+}
+inline __m512i merge_fifth(__m512i nib, __m512i bits, int t) {
+  __m512i r;
+  r.lo = merge_fifth_half(nib.lo, bits.lo, t);
+  r.hi = merge_fifth_half(nib.hi, bits.hi, t);
+  return r;
+}
+inline __m512i shift_nibbles_down(__m512i v) {
+  v.lo = _mm256_srli_epi16(v.lo, 4);
+  v.hi = _mm256_srli_epi16(v.hi, 4);
+  return v;
+}
+#else
+inline __m512i merge_fifth(__m512i nib, __m512i bits, int t) {
+  const __m512i b = t < 4 ? _mm512_slli_epi16(bits, 4 - t) : t == 4 ? bits : _mm512_srli_epi16(bits, t - 4);
+  // (nib & 0x0F) | (b & ~0x0F) in one vpternlogd (0xE4: C ? A : B), then bits 5-7 off.
+  return _mm512_and_si512(_mm512_ternarylogic_epi32(nib, b, _mm512_set1_epi8(0x0F), 0xE4), _mm512_set1_epi8(0x1F));
+}
+inline __m512i shift_nibbles_down(__m512i v) { return _mm512_srli_epi16(v, 4); }
+#endif
+constexpr int64_t kFiveBlockBytes = 5 * kLanes * 4;  // a five-bit block of one column group
 
 // The activations as W8A8Rows holds them.
 struct Acts {
@@ -195,13 +231,13 @@ inline void block_4x1_avx2(float*, const uint8_t*, const int8_t*, int64_t, const
 // wd, wm: [NB][nblk][16] block scales and minimums. Nib: w is nibble-packed (two steps a
 // vector, w4a8_pack_nibbles), else a byte a weight; the same sums either way. Wide: bytes
 // of q up to 254 (see the top of the file).
-template <int R, int C, bool Nib = false, bool Wide = false>
+template <int R, int C, bool Nib = false, bool Wide = false, bool Five = false>
 void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
            const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf,
            const float* moff = nullptr) {
   const int64_t Kp = x.Kp, nblk = Kp / kBlock;
   __m512 acc[R][C];
-  if (kAsmBlock && !Nib && !Wide && R == 4 && C == 1 && nblk > 0) {
+  if (kAsmBlock && !Nib && !Wide && !Five && R == 4 && C == 1 && nblk > 0) {
     alignas(64) float sums[R * kLanes] = {};
     block_4x1_avx2(sums, w + nb0 * KS * kLanes * 4, x.q + m0 * Kp, Kp, x.scales + m0 * nblk, x.bsums + m0 * nblk,
                    nblk, wd + nb0 * nblk * kLanes, wm + nb0 * nblk * kLanes, pf);
@@ -220,7 +256,21 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
 #endif
         for (int c = 0; c < C; ++c) isum[r][c] = start;
       }
-      if constexpr (Wide) {
+      if constexpr (Five) {
+        for (int s = 0; s < kStepsPerBlock; s += 2) {
+          const int64_t step = b * kStepsPerBlock + s;
+          for (int c = 0; c < C; ++c) {
+            const uint8_t* unit = w + ((nb0 + c) * (KS / kStepsPerBlock) + b) * kFiveBlockBytes;
+            const __m512i v = _mm512_loadu_si512(unit + (s / 2) * kLanes * 4);
+            const __m512i bits = _mm512_loadu_si512(unit + 4 * kLanes * 4);
+            const __m512i w0 = merge_fifth(v, bits, s), w1 = merge_fifth(shift_nibbles_down(v), bits, s + 1);
+            for (int r = 0; r < R; ++r) {
+              isum[r][c] = dot4(isum[r][c], w0, x.q + (m0 + r) * Kp + step * 4);
+              isum[r][c] = dot4(isum[r][c], w1, x.q + (m0 + r) * Kp + step * 4 + 4);
+            }
+          }
+        }
+      } else if constexpr (Wide) {
         for (int s = 0; s < kStepsPerBlock; ++s) {
           const int64_t step = b * kStepsPerBlock + s;
           __m512i wv[C];
@@ -259,7 +309,7 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
           const __m512 dv = _mm512_loadu_ps(wd + at);
           const __m512 t = _mm512_mul_ps(dv, sx);
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), t, acc[r][c]);
-          const __m512 mv = (Wide && moff) ? _mm512_mul_ps(dv, _mm512_loadu_ps(moff + (nb0 + c) * kLanes))
+          const __m512 mv = ((Wide || Five) && moff) ? _mm512_mul_ps(dv, _mm512_loadu_ps(moff + (nb0 + c) * kLanes))
                                            : _mm512_loadu_ps(wm + at);
           acc[r][c] = _mm512_fmadd_ps(mv, bs, acc[r][c]);
         }
@@ -280,20 +330,40 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
   }
 }
 
-template <int R, bool Nib = false, bool Wide = false>
+template <int R, bool Nib = false, bool Wide = false, bool Five = false>
 void block_cols(int C, const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
                 const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf,
                 const float* moff = nullptr) {
   if constexpr (kCols == 1) {  // one group at a time (the same sums, in the same order)
     for (int c = 0; c < C; ++c)
-      block<R, 1, Nib, Wide>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf, moff);
+      block<R, 1, Nib, Wide, Five>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf, moff);
   } else {
     switch (C) {
-      case 1: return block<R, 1, Nib, Wide>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
-      case 2: return block<R, 2, Nib, Wide>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
-      default: return block<R, kCols, Nib, Wide>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      case 1: return block<R, 1, Nib, Wide, Five>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      case 2: return block<R, 2, Nib, Wide, Five>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      default: return block<R, kCols, Nib, Wide, Five>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
     }
   }
+}
+
+// d, m: [N, nblk] float32 (m may be [N]: one -offset per row) -> [N/16][nblk][16] (m:
+// [N/16][16]), N padded to 16 with zeros.
+std::tuple<at::Tensor, at::Tensor> pack_scales(at::Tensor d, at::Tensor m, int64_t N, int64_t nblk) {
+  const int64_t NB = (N + kLanes - 1) / kLanes;
+  const bool row_offsets = m.dim() == 1;
+  d = d.to(at::kFloat).contiguous();
+  m = m.to(at::kFloat).contiguous();
+  auto od = at::zeros({NB, nblk, kLanes}, d.options());
+  auto om = row_offsets ? at::zeros({NB, kLanes}, d.options()) : at::zeros({NB, nblk, kLanes}, d.options());
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b < nblk; ++b) {
+      od.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = d.data_ptr<float>()[n * nblk + b];
+      if (!row_offsets)
+        om.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = m.data_ptr<float>()[n * nblk + b];
+    }
+    if (row_offsets) om.data_ptr<float>()[n] = m.data_ptr<float>()[n];
+  }
+  return {od, om};
 }
 
 }  // namespace
@@ -313,27 +383,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_weight(at::Tensor q, at
               (m.sizes() == d.sizes() || (row_offsets && m.size(0) == N && wide)),
               "one scale and one minimum per row and block of 32 (or, for wide weights, one -offset per row)");
   q = q.contiguous();
-  d = d.to(at::kFloat).contiguous();
-  m = m.to(at::kFloat).contiguous();
   const int64_t KS = Kp / 4;
   auto out = at::zeros({NB, KS, kLanes, 4}, q.options());
-  auto od = at::zeros({NB, nblk, kLanes}, d.options());
-  auto om = row_offsets ? at::zeros({NB, kLanes}, d.options()) : at::zeros({NB, nblk, kLanes}, d.options());
   const uint8_t* src = q.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int offset = wide ? kWideOffset : 0;
-  for (int64_t n = 0; n < N; ++n) {
+  for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k)
       dst[(((n / kLanes) * KS + k / 4) * kLanes + n % kLanes) * 4 + k % 4] =
           static_cast<uint8_t>(src[n * K + k] - offset);
-    for (int64_t b = 0; b < nblk; ++b) {
-      od.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = d.data_ptr<float>()[n * nblk + b];
-      if (!row_offsets)
-        om.data_ptr<float>()[((n / kLanes) * nblk + b) * kLanes + n % kLanes] = m.data_ptr<float>()[n * nblk + b];
-    }
-    if (row_offsets) om.data_ptr<float>()[n] = m.data_ptr<float>()[n];
-  }
+  auto [od, om] = pack_scales(d, m, N, nblk);
   return {wide ? out.view(at::kChar) : out, od, om};
+}
+
+// q: [N, K] uint8 in 0..31, d and m as w4a8_pack_weight takes them (m may be one -offset
+// per row) -> (weights [N/16][nblk][5][16][4]: per block the four nibble vectors, then the
+// fifth bits (see the top of the file); its scales and minimums as w4a8_pack_weight's).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_5bit(at::Tensor q, at::Tensor d, at::Tensor m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "5-bit weights must be [N, K] uint8");
+  const int64_t N = q.size(0), K = q.size(1), Kp = padded_k(K), nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
+  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 31, "5-bit weights must lie in 0..31");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == nblk &&
+              (m.sizes() == d.sizes() || (m.dim() == 1 && m.size(0) == N)),
+              "one scale and one minimum per row and block of 32 (or one -offset per row)");
+  q = q.contiguous();
+  auto out = at::zeros({NB, nblk, 5, kLanes, 4}, q.options());
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t nb = n / kLanes, lane = n % kLanes;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t b = k / kBlock, s = (k % kBlock) / 4;
+      uint8_t* unit = dst + (nb * nblk + b) * kFiveBlockBytes;
+      const uint8_t v = src[n * K + k];
+      unit[((s / 2) * kLanes + lane) * 4 + k % 4] |= static_cast<uint8_t>((v & 0x0F) << (4 * (s % 2)));
+      unit[(4 * kLanes + lane) * 4 + k % 4] |= static_cast<uint8_t>((v >> 4) << s);
+    }
+  }
+  auto [od, om] = pack_scales(d, m, N, nblk);
+  return {out, od, om};
 }
 
 // Rows `ids` of the weights w4a8_pack_weight packed (from the byte layout, or from the
@@ -347,8 +435,10 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
   }
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
   const int64_t Kp = padded_k(K), KS = Kp / 4, nblk = Kp / kBlock, NB = d.size(0);
-  const bool bytes = packed.numel() > 0, wide = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(bytes || nibbles.has_value(), "no weights to read");
+  const bool five = packed.dim() == 5;
+  const bool bytes = packed.numel() > 0 && !five, wide = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(!five || packed.numel() == NB * nblk * kFiveBlockBytes, "5-bit weights made by w4a8_pack_5bit expected");
+  TORCH_CHECK(bytes || five || nibbles.has_value(), "no weights to read");
   const bool row_offsets = m.dim() == 2;
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
               (m.sizes() == d.sizes() || (row_offsets && m.numel() == NB * kLanes)) && m.is_contiguous(),
@@ -359,7 +449,8 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < NB * kLanes, "row out of range");
   const uint8_t* wb = bytes ? static_cast<const uint8_t*>(packed.data_ptr()) : nullptr;
-  const uint8_t* wn = bytes ? nullptr : nibbles->data_ptr<uint8_t>();
+  const uint8_t* wn = bytes || five ? nullptr : nibbles->data_ptr<uint8_t>();
+  const uint8_t* w5 = five ? packed.data_ptr<uint8_t>() : nullptr;
   const int offset = wide ? kWideOffset : 0;
   const float* dp = d.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
@@ -370,7 +461,12 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
       for (int64_t k = 0; k < K; ++k) {
         const int64_t step = k / 4;
         int q;
-        if (wb) {
+        if (w5) {
+          const uint8_t* unit = w5 + (nb * nblk + k / kBlock) * kFiveBlockBytes;
+          const int64_t s = step % kStepsPerBlock;
+          q = ((unit[((s / 2) * kLanes + lane) * 4 + k % 4] >> (4 * (s % 2))) & 0x0F) |
+              (((unit[(4 * kLanes + lane) * 4 + k % 4] >> s) & 1) << 4);
+        } else if (wb) {
           q = wb[((nb * KS + step) * kLanes + lane) * 4 + k % 4];
           if (wide) q = static_cast<uint8_t>(q + offset);
         } else {
@@ -405,14 +501,18 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
     return linear_q6k_rows(x, packed, *nibbles, d, m, N, bias, out_float32);
   }
   const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
-  const bool wide = packed.scalar_type() == at::kChar;
+  const bool wide = packed.scalar_type() == at::kChar, five = packed.dim() == 5;
   // Nibbles at every row count where the byte layout was not kept (this build's choice
   // above, or a caller's that puts memory first: quantization='gguf').
-  const bool use_nibbles = !wide && nibbles.has_value() && (M <= kNibbleMaxRows || packed.numel() == 0);
-  if (!use_nibbles)  // (where nibbles serve every row count, the byte layout may be left empty)
+  const bool use_nibbles = !wide && !five && nibbles.has_value() && (M <= kNibbleMaxRows || packed.numel() == 0);
+  if (five) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(0) == NB &&
+                packed.size(1) == nblk, "5-bit weights packed by w4a8_pack_5bit, matching [N, K], expected");
+  } else if (!use_nibbles) {  // (where nibbles serve every row count, the byte layout may be left empty)
     TORCH_CHECK((wide || packed.scalar_type() == at::kByte) && packed.dim() == 4 && packed.size(0) == NB &&
                 packed.size(1) == KS, "weights packed by w4a8_pack_weight, matching [N, K], expected");
-  const bool row_offsets = wide && m.dim() == 2;
+  }
+  const bool row_offsets = (wide || five) && m.dim() == 2;
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
               m.scalar_type() == at::kFloat && m.is_contiguous() &&
               (m.numel() == d.numel() || (row_offsets && m.numel() == NB * kLanes)),
@@ -440,6 +540,19 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
         case 1: return block_cols<1, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
         case 2: return block_cols<2, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
         default: return block_cols<kRows, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
+      }
+    });
+    return out;
+  }
+  if (five) {
+    const float* moff = row_offsets ? wm : nullptr;
+    for_panels(M, NB, kCols, kRows, w, nblk * kFiveBlockBytes, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+      switch (r) {
+        case 1: return block_cols<1, false, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
+        case 2: return block_cols<2, false, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
+        default:
+          return block_cols<kRows, false, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf,
+                                                       moff);
       }
     });
     return out;
