@@ -4,7 +4,7 @@ instead of dequantized to bf16 (3-4x the bytes in memory and per decode step).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors come from the loader as their own
 blocks (quantization/gguf_blocks.py: per block of 32, w = d * q + m, exactly the values
 ggml dequantizes to) into the w4a8 kernel family (backends/cpu/x86/w4a8.cpp: 4-bit q in
-nibbles, wider q a byte each) times int8 activations per block of 32, as ggml's own CPU
+nibbles, 5-bit q in nibbles and a plane of fifth bits, wider q a byte each) times int8 activations per block of 32, as ggml's own CPU
 dot products quantize activations to Q8_0. Every layer, the LM head included: the file's
 precision is the model's. Q6_K, whose scales cover 16 k, has a kernel of its own
 (backends/cpu/x86/q6k.cpp: 6-bit q, its int8 scales per 16 k) for a layer whose rows are
