@@ -2,7 +2,7 @@
 judged by.
 
     python benchmarks/step_profile.py [--model smollm2-135m] [--quantization auto] [--kv-cache-dtype auto]
-        [--batches 1,8,32,128] [--served 1,32] [--json F]
+        [--cpu-isa auto] [--batches 1,8,32,128] [--served 1,32] [--json F]
 
 Offline, one engine (speculation off, so every step is a plain decode): for each batch of
 B requests (64-token prompts), once their prompts are in, the mean over 40 decode steps of
@@ -86,7 +86,7 @@ def offline(args, gbps: float) -> tuple[list[dict], dict]:
     from sluice import LLMEngine, SamplingParams
     engine = LLMEngine.from_kwargs(model=args.model, speculative_method=None, quantization=args.quantization,
                                    kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(args.batches) + 1,
-                                   kv_cache_memory=1.0)
+                                   kv_cache_memory=1.0, cpu_isa=args.cpu_isa)
     model = engine.runner.model
     wb, kvb = weight_bytes(model), kv_bytes_per_token(engine)
     info = {"plan": engine.backend.line(), "weight_mb": wb / 1e6, "kv_bytes_per_token": kvb, "gbps": gbps}
@@ -212,7 +212,7 @@ def served(args, offline_rows: list[dict]) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = ["--port", str(port), "--model", args.model, "--speculative-method", "off", "--kv-cache-dtype", args.kv_cache_dtype,
-             "--quantization", "none" if args.quantization is None else args.quantization]
+             "--quantization", "none" if args.quantization is None else args.quantization, "--cpu-isa", args.cpu_isa]
     log = open(args.out_dir / "step_profile_server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", *flags], stdout=log,
                               stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -250,6 +250,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quantization", default="auto", help="auto (the default), none, int8, w8a8, w4a8, gguf")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--cpu-isa", default="auto", help="kernel build: auto (the CPU's best), avx512, avx2_vnni, avx2")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--served", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
     ap.add_argument("--json", type=Path, default=None)
