@@ -184,3 +184,20 @@ def test_tiny_gemma3_layer_groups_give_the_plain_caches_bits(tiny_checkpoint, be
     assert got == want
     if settings.get("enable_prefix_caching"):
         assert got[3][0] > 0  # the last prompt found the first one's blocks
+
+
+@pytest.mark.requires("kernels")
+def test_gemma3_270m_in_its_own_blocks_answers_as_llama_cpp(best_kernel_isa):
+    """The packaged Q4_K_M file under its default `gguf` scheme: Q4_K and Q8_0 blocks, Q5_0 at
+    5 bits a weight, Q6_K in its own kernel, under 1.1x the file's tensor bytes; its greedy
+    tokens are llama-server's on the same file (docs/benchmarks.md, "K-quants in their own
+    blocks"), which the 8-bit requantization of Q6_K did not give."""
+    from sluice.models.loader import gguf_tensor_bytes, resolve_model
+    llm = LLM(model="gemma3-270m", cpu_isa=best_kernel_isa, speculative_method=None, kv_cache_memory=0.05)
+    assert "linear=kernels-gguf" in llm.engine.runner.backend.line()
+    layers = llm.engine.runner.model.model.layers
+    assert layers[0].mlp.down_proj.method.w4m.dtype == torch.int8      # Q6_K: int8 scales per 16 k
+    assert layers[0].mlp.gate_up_proj.method.w4a8.dim() == 5           # Q5_0: the 5-bit tag
+    assert llm.engine.weight_bytes <= 1.1 * gguf_tensor_bytes(resolve_model("gemma3-270m").path)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].text == " the capital of the country of France. It is the largest"
