@@ -44,9 +44,6 @@ constexpr int kCols = 3;
 // Step t (0..3) of a half-block as unsigned bytes q: lo holds steps 2i (low nibbles) and
 // 2i + 1 (high) for i = t / 2, hi the top two bits of all four (bits 2t..2t+1). Shifts are
 // of 16-bit lanes: bits that cross into the neighbouring byte land outside 0x30 or 0x0F.
-// Step t (0..3) of a half-block as unsigned bytes q: lo holds steps 2i (low nibbles) and
-// 2i + 1 (high) for i = t / 2, hi the top two bits of all four (bits 2t..2t+1). Shifts are
-// of 16-bit lanes: bits that cross into the neighbouring byte land outside 0x30 or 0x0F.
 #if defined(SLUICE_AVX2)
 inline __m256i unpack_q6_half(__m256i lo, __m256i hi, int t) {
   const __m256i l = t % 2 ? _mm256_srli_epi16(lo, 4) : lo;
@@ -133,18 +130,7 @@ void block(const Q6Weights& w, const Q6Acts& x, int64_t nb0, const float* bias, 
       }
     }
   }
-  const size_t esz = out_f32 ? 4 : 2;
-  for (int r = 0; r < R; ++r) {
-    char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
-    for (int c = 0; c < C; ++c) {
-      const int64_t n0 = (nb0 + c) * kLanes, left = N - n0;
-      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      __m512 v = acc[r][c];
-      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n0));
-      if (out_f32) _mm512_mask_storeu_ps(reinterpret_cast<float*>(row) + n0, m, v);
-      else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row) + n0, m, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
+  store_rows<R, C>(acc, bias, N, out_f32, out, m0, nb0);
 }
 
 template <int R>

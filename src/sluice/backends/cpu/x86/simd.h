@@ -103,6 +103,27 @@ inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* /*xa
 }
 #endif
 
+// The block kernels' last step (w4a8.cpp, q6k.cpp): R rows x C groups of 16 float sums,
+// plus the bias, stored as float32 or bf16 into out's rows from m0 and columns from group
+// nb0, masked at N.
+template <int R, int C>
+inline void store_rows(__m512 (&acc)[R][C], const float* bias, int64_t N, bool out_f32, void* out, int64_t m0,
+                       int64_t nb0) {
+  constexpr int64_t lanes = 16;
+  const size_t esz = out_f32 ? 4 : 2;
+  for (int r = 0; r < R; ++r) {
+    char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (nb0 + c) * lanes, left = N - n0;
+      const __mmask16 m = left >= lanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 v = acc[r][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n0));
+      if (out_f32) _mm512_mask_storeu_ps(reinterpret_cast<float*>(row) + n0, m, v);
+      else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row) + n0, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
 // Block b of 32 values of a bf16 row of K (zeros past K) as two float vectors; returns
 // their largest magnitude (what the int8 quantizers scale each block of 32 by).
 inline float load_block32(const uint16_t* xr, int64_t K, int64_t b, __m512 v[2]) {

@@ -321,18 +321,7 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
       }
     }
   }
-  const size_t esz = out_f32 ? 4 : 2;
-  for (int r = 0; r < R; ++r) {
-    char* row = static_cast<char*>(out) + (m0 + r) * N * esz;
-    for (int c = 0; c < C; ++c) {
-      const int64_t n0 = (nb0 + c) * kLanes, left = N - n0;
-      const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      __m512 v = acc[r][c];
-      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n0));
-      if (out_f32) _mm512_mask_storeu_ps(reinterpret_cast<float*>(row) + n0, m, v);
-      else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row) + n0, m, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
+  store_rows<R, C>(acc, bias, N, out_f32, out, m0, nb0);
 }
 
 template <int R, bool Nib = false, bool Wide = false, bool Five = false>
