@@ -460,11 +460,10 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
             own = decode_q6k(raw, shape) if qtype.name == "Q6_K" else decode_blocks(raw, qtype.name, shape)
         if own is not None:
             kept[qtype.name] += 1
-            form = Q6KBlocks if isinstance(own, Q6KBlocks) else lambda *a: tuple(a)
-            if permute and heads is not None:
-                own = [unpermute_qk(a, heads) for a in own]
+            fields = [torch.from_numpy(np.ascontiguousarray(unpermute_qk(a, heads) if permute and heads is not None
+                                                            else a)) for a in own]
             tensor = torch.empty(shape, dtype=dtype, device="meta")
-            tensor.gguf_blocks = form(*(torch.from_numpy(np.ascontiguousarray(a)) for a in own))
+            tensor.gguf_blocks = Q6KBlocks(*fields) if isinstance(own, Q6KBlocks) else tuple(fields)
             return tensor
         w = dequantize(raw, qtype).reshape(shape)
         if permute and heads is not None:

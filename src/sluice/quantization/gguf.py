@@ -4,14 +4,15 @@ instead of dequantized to bf16 (3-4x the bytes in memory and per decode step).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors come from the loader as their own
 blocks (quantization/gguf_blocks.py: per block of 32, w = d * q + m, exactly the values
 ggml dequantizes to) into the w4a8 kernel family (backends/cpu/x86/w4a8.cpp: 4-bit q in
-nibbles, 5-bit q in nibbles and a plane of fifth bits, wider q a byte each) times int8 activations per block of 32, as ggml's own CPU
-dot products quantize activations to Q8_0. Every layer, the LM head included: the file's
-precision is the model's. Q6_K, whose scales cover 16 k, has a kernel of its own
-(backends/cpu/x86/q6k.cpp: 6-bit q, its int8 scales per 16 k) for a layer whose rows are
-all one Q6_K tensor; where a fused layer joins Q6_K rows to other types (a Q4_K_M file's
-attn_v beside Q4_K q and k), those rows are requantized to 8-bit blocks of 32 from their
-exact values (error at most max|w| / 254 per block), as are tensors of the types no kernel
-here reads (float matrices, the 2- and 3-bit K-quants), which the loader's log line names.
+nibbles, 5-bit q in nibbles and a plane of fifth bits, wider q a byte each) times int8
+activations per block of 32, as ggml's own CPU dot products quantize activations to Q8_0.
+Every layer, the LM head included: the file's precision is the model's. Q6_K, whose scales
+cover 16 k, has a kernel of its own (backends/cpu/x86/q6k.cpp: 6-bit q, its int8 scales
+per 16 k) for a layer whose rows are all one Q6_K tensor; where a fused layer joins Q6_K
+rows to other types (a Q4_K_M file's attn_v beside Q4_K q and k), those rows are
+requantized to 8-bit blocks of 32 from their exact values (error at most max|w| / 254 per
+block), as are tensors of the types no kernel here reads (float matrices, the 2- and 3-bit
+K-quants), which the loader's log line names.
 
 The embedding table is read from the same packed blocks as the tied LM head (no second
 copy), and 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte
@@ -51,6 +52,16 @@ def q6k_form(module: nn.Module) -> Q6KBlocks | None:
     if isinstance(only, Q6KBlocks) and only.q.shape == tuple(module.weight.shape):
         return only
     return None
+
+
+def pack_blocks(kernels, module: nn.Module, deterministic: bool):
+    """The layer's KernelWeight: Q6_K's own kernel where one Q6_K tensor gave all its rows,
+    else the block form (source_form), 4-bit weights as nibbles only."""
+    from sluice.backends.cpu.linear import kernel_weight
+    q6k = q6k_form(module)
+    if q6k is not None:
+        return kernel_weight(kernels, module.weight, None, deterministic, q6k=q6k)
+    return kernel_weight(kernels, module.weight, None, deterministic, w4=source_form(module), nibbles_only=True)
 
 
 def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,26 +131,21 @@ class GGUF(QuantizationScheme):
             raise ValueError("quantization='gguf' keeps the file's blocks and cannot requantize rows")
 
     def kernel_method(self, kernels, model, name, module: Linear, dtype, deterministic):
-        from sluice.backends.cpu.linear import kernel_weight
-        q6k = q6k_form(module)
-        if q6k is None and any(isinstance(p, Q6KBlocks) for p in (getattr(module, "source_blocks", None) or {}).values()):
+        parts = (getattr(module, "source_blocks", None) or {}).values()
+        if q6k_form(module) is None and any(isinstance(p, Q6KBlocks) for p in parts):
             model.gguf_q6k_fused = getattr(model, "gguf_q6k_fused", 0) + 1  # said once, in embedding_and_head
-        method = kernel_weight(kernels, module.weight, None, deterministic, nibbles_only=True,
-                               **({"q6k": q6k} if q6k is not None else {"w4": source_form(module)}))
+        method = pack_blocks(kernels, module, deterministic)
         release_weight(module)
         return method
 
     def embedding_and_head(self, kernels, model, dtype, deterministic):
         """Pack the embedding table (the tied head's weights too) and read the embedding's
         rows from it; returns the tied head's method, or None for an untied model."""
-        from sluice.backends.cpu.linear import kernel_weight
         if getattr(model, "gguf_q6k_fused", 0):
             logger.info("quantization='gguf': %d fused layers join Q6_K rows to other types; those rows run as "
                         "8-bit blocks of their exact values", model.gguf_q6k_fused)
         emb = model.model.embed_tokens
-        q6k = q6k_form(emb)
-        method = kernel_weight(kernels, emb.weight, None, deterministic, nibbles_only=True,
-                               **({"q6k": q6k} if q6k is not None else {"w4": source_form(emb)}))
+        method = pack_blocks(kernels, emb, deterministic)
         emb.method = BlockRows(kernels, method, emb.weight.shape[1], dtype)
         release_weight(emb)
         return method if model.lm_head is None else None

@@ -132,9 +132,9 @@ class Q6KBlocks(NamedTuple):
 def decode_q6k(raw: np.ndarray, shape: tuple[int, int]) -> Q6KBlocks:
     """A Q6_K tensor's bytes (rows of whole super-blocks of 210 bytes: ql[128], qh[64],
     scales[16] int8, d float16) -> its Q6KBlocks, of numpy arrays (the loader makes them
-    tensors). Within each half of 128 values, element
-    32 j + l (j in 0..3) has its low 4 bits in ql[l + 32 (j % 2)] (the low nibble for j < 2,
-    the high one after) and its top two in bits 2j..2j+1 of qh[l] (ggml's dequantize_row_q6_K)."""
+    tensors). Within each half of 128 values, element 32 j + l (j in 0..3) has its low 4
+    bits in ql[l + 32 (j % 2)] (the low nibble for j < 2, the high one after) and its top
+    two in bits 2j..2j+1 of qh[l] (ggml's dequantize_row_q6_K)."""
     rows, k = shape
     blk = np.ascontiguousarray(raw).reshape(-1, 210)
     n = blk.shape[0]

@@ -44,32 +44,11 @@ constexpr int kCols = 3;
 // Step t (0..3) of a half-block as unsigned bytes q: lo holds steps 2i (low nibbles) and
 // 2i + 1 (high) for i = t / 2, hi the top two bits of all four (bits 2t..2t+1). Shifts are
 // of 16-bit lanes: bits that cross into the neighbouring byte land outside 0x30 or 0x0F.
-#if defined(SLUICE_AVX2)
-inline __m256i unpack_q6_half(__m256i lo, __m256i hi, int t) {
-  const __m256i l = t % 2 ? _mm256_srli_epi16(lo, 4) : lo;
-  const __m256i h = t == 0 ? _mm256_slli_epi16(hi, 4)
-                    : t == 1 ? _mm256_slli_epi16(hi, 2)
-                    : t == 2 ? hi
-                             : _mm256_srli_epi16(hi, 2);
-  return _mm256_or_si256(_mm256_and_si256(l, _mm256_set1_epi8(0x0F)), _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
-}
 inline __m512i unpack_q6(__m512i lo, __m512i hi, int t) {
-  __m512i r;
-  r.lo = unpack_q6_half(lo.lo, hi.lo, t);
-  r.hi = unpack_q6_half(lo.hi, hi.hi, t);
-  return r;
+  const __m512i l = t % 2 ? srli16(lo, 4) : lo;
+  const __m512i h = t < 2 ? slli16(hi, 4 - 2 * t) : t == 2 ? hi : srli16(hi, 2);
+  return merge_bits(l, h, 0x0F0F0F0F, 0x30303030);  // simd.h
 }
-#else
-inline __m512i unpack_q6(__m512i lo, __m512i hi, int t) {
-  const __m512i l = t % 2 ? _mm512_srli_epi16(lo, 4) : lo;
-  const __m512i h = t == 0 ? _mm512_slli_epi16(hi, 4)
-                    : t == 1 ? _mm512_slli_epi16(hi, 2)
-                    : t == 2 ? hi
-                             : _mm512_srli_epi16(hi, 2);
-  // (l & 0x0F) | (h & ~0x0F) in one vpternlogd (0xE4: C ? A : B), then the top two bits off.
-  return _mm512_and_si512(_mm512_ternarylogic_epi32(l, h, _mm512_set1_epi8(0x0F), 0xE4), _mm512_set1_epi8(0x3F));
-}
-#endif
 
 // 16 int8 scales as float32 lanes.
 inline __m512 scales16(const int8_t* sc) {

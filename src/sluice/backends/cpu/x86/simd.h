@@ -103,6 +103,27 @@ inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x4, const int8_t* /*xa
 }
 #endif
 
+// Bit work on packed weights (w4a8.cpp's 5-bit blocks, q6k.cpp), written once for both
+// builds: shifts of 16-bit lanes, and (a & a_mask) | (b & b_mask) for masks with no bit in
+// common, one vpternlogd and an and on AVX-512 (the two ands and the or of AVX2).
+#if defined(SLUICE_AVX2)
+inline __m512i srli16(__m512i v, int n) { return {_mm256_srli_epi16(v.lo, n), _mm256_srli_epi16(v.hi, n)}; }
+inline __m512i slli16(__m512i v, int n) { return {_mm256_slli_epi16(v.lo, n), _mm256_slli_epi16(v.hi, n)}; }
+inline __m512i merge_bits(__m512i a, __m512i b, int a_mask, int b_mask) {
+  const __m256i ma = _mm256_set1_epi32(a_mask), mb = _mm256_set1_epi32(b_mask);
+  return {_mm256_or_si256(_mm256_and_si256(a.lo, ma), _mm256_and_si256(b.lo, mb)),
+          _mm256_or_si256(_mm256_and_si256(a.hi, ma), _mm256_and_si256(b.hi, mb))};
+}
+#else
+inline __m512i srli16(__m512i v, int n) { return _mm512_srli_epi16(v, n); }
+inline __m512i slli16(__m512i v, int n) { return _mm512_slli_epi16(v, n); }
+inline __m512i merge_bits(__m512i a, __m512i b, int a_mask, int b_mask) {
+  // C ? A : B (0xE4) with C = a_mask, then the bits of neither mask off.
+  return _mm512_and_si512(_mm512_ternarylogic_epi32(a, b, _mm512_set1_epi32(a_mask), 0xE4),
+                          _mm512_set1_epi32(a_mask | b_mask));
+}
+#endif
+
 // The block kernels' last step (w4a8.cpp, q6k.cpp): R rows x C groups of 16 float sums,
 // plus the bias, stored as float32 or bf16 into out's rows from m0 and columns from group
 // nb0, masked at N.

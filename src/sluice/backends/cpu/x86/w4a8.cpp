@@ -102,30 +102,10 @@ inline void unpack_nibbles(__m512i v, __m512i& first, __m512i& second) {
 
 // Step t (0..7) of a five-bit block: its nibbles (the low four bits of `nib`, already
 // shifted down for odd steps) with bit t of each byte of `bits` as bit 4.
-#if defined(SLUICE_AVX2)
-inline __m256i merge_fifth_half(__m256i nib, __m256i bits, int t) {
-  const __m256i b = t < 4 ? _mm256_slli_epi16(bits, 4 - t) : t == 4 ? bits : _mm256_srli_epi16(bits, t - 4);
-  return _mm256_or_si256(_mm256_and_si256(nib, _mm256_set1_epi8(0x0F)), _mm256_and_si256(b, _mm256_set1_epi8(0x10)));
-}
 inline __m512i merge_fifth(__m512i nib, __m512i bits, int t) {
-  __m512i r;
-  r.lo = merge_fifth_half(nib.lo, bits.lo, t);
-  r.hi = merge_fifth_half(nib.hi, bits.hi, t);
-  return r;
+  const __m512i b = t < 4 ? slli16(bits, 4 - t) : t == 4 ? bits : srli16(bits, t - 4);
+  return merge_bits(nib, b, 0x0F0F0F0F, 0x10101010);  // simd.h
 }
-inline __m512i shift_nibbles_down(__m512i v) {
-  v.lo = _mm256_srli_epi16(v.lo, 4);
-  v.hi = _mm256_srli_epi16(v.hi, 4);
-  return v;
-}
-#else
-inline __m512i merge_fifth(__m512i nib, __m512i bits, int t) {
-  const __m512i b = t < 4 ? _mm512_slli_epi16(bits, 4 - t) : t == 4 ? bits : _mm512_srli_epi16(bits, t - 4);
-  // (nib & 0x0F) | (b & ~0x0F) in one vpternlogd (0xE4: C ? A : B), then bits 5-7 off.
-  return _mm512_and_si512(_mm512_ternarylogic_epi32(nib, b, _mm512_set1_epi8(0x0F), 0xE4), _mm512_set1_epi8(0x1F));
-}
-inline __m512i shift_nibbles_down(__m512i v) { return _mm512_srli_epi16(v, 4); }
-#endif
 constexpr int64_t kFiveBlockBytes = 5 * kLanes * 4;  // a five-bit block of one column group
 #if defined(SLUICE_AVX2)
 constexpr int kFiveRows = kRows;
@@ -268,7 +248,7 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
             const uint8_t* unit = w + ((nb0 + c) * (KS / kStepsPerBlock) + b) * kFiveBlockBytes;
             const __m512i v = _mm512_loadu_si512(unit + (s / 2) * kLanes * 4);
             const __m512i bits = _mm512_loadu_si512(unit + 4 * kLanes * 4);
-            const __m512i w0 = merge_fifth(v, bits, s), w1 = merge_fifth(shift_nibbles_down(v), bits, s + 1);
+            const __m512i w0 = merge_fifth(v, bits, s), w1 = merge_fifth(srli16(v, 4), bits, s + 1);
             for (int r = 0; r < R; ++r) {
               isum[r][c] = dot4(isum[r][c], w0, x.q + (m0 + r) * Kp + step * 4);
               isum[r][c] = dot4(isum[r][c], w1, x.q + (m0 + r) * Kp + step * 4 + 4);
