@@ -14,7 +14,7 @@ DEFAULT_MODEL = "smollm2-135m"
 # None: full precision; else a scheme's name (quantization/: int8, w8a8, w4a8); "auto":
 # the checkpoint's own quantized form where a kernel here computes it (the backend's pick).
 QUANTIZATIONS = (None, "auto", *quantization.NAMES)
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_OFFLOAD_DTYPES = ("auto", "exact", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -65,7 +65,8 @@ class CacheConfig:
     # "auto": K and V in the model's dtype. "int8": one int8 value per element and one
     # float32 scale per token and kv head (53% of a bf16 cache's bytes, so ~1.9x the
     # tokens in the same memory and less to read per decode step); CPU, bfloat16, with
-    # our kernels (AVX-512 VNNI). Block sizes a multiple of 16.
+    # our kernels (AVX-512 VNNI). Block sizes a multiple of 16. "fp8": e4m3 values with a
+    # float32 scale per token and kv head, the same saving on CUDA (backends/kv_fp8.py).
     kv_cache_dtype: str = "auto"
     # KV offloading (core/kv_offload.py): GiB of host memory for blocks the pool evicts
     # (prefix-cache and session blocks), copied back on a later hit instead of recomputed;
@@ -291,9 +292,9 @@ class EngineConfig:
             if c.kv_offload_dtype == "int8" and self.model.deterministic:
                 raise ValueError("kv_offload_dtype='int8' changes a reloaded block's bits, which deterministic mode "
                                  "promises to keep: use 'exact' (or 'auto')")
-            if c.kv_offload_dtype == "int8" and c.kv_cache_dtype == "int8":
-                raise ValueError("kv_offload_dtype='int8' compresses a floating-point cache; an int8 KV cache is "
-                                 "offloaded as it is ('exact' or 'auto')")
+            if c.kv_offload_dtype == "int8" and c.kv_cache_dtype != "auto":
+                raise ValueError(f"kv_offload_dtype='int8' compresses a bf16/float16/float32 cache; a "
+                                 f"kv_cache_dtype={c.kv_cache_dtype!r} cache is offloaded as it is ('exact' or 'auto')")
             if self.parallel.tensor_parallel_size > 1:
                 raise ValueError("KV offloading runs in one process: not with tensor_parallel_size > 1")
         if self.model.quantization != "auto":

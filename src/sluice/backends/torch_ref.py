@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.backends.kv_fp8 import write_fp8
 from sluice.backends.kv_int8 import write_int8
 
 
@@ -24,10 +25,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k_cache: [Hkv, num_blocks, block_size, D] (D + 4 bytes for int8); k: [T, Hkv, D]."""
+    """k_cache: [Hkv, num_blocks, block_size, D] (D + 4 bytes for int8 and fp8); k: [T, Hkv, D]."""
     if k_cache.dtype == torch.uint8:
         write_int8(k_cache, k, slot_mapping, is_k=True)
         write_int8(v_cache, v, slot_mapping, is_k=False)
+        return
+    if k_cache.dtype == torch.float8_e4m3fn:
+        write_fp8(k_cache, k, slot_mapping)
+        write_fp8(v_cache, v, slot_mapping)
         return
     h, _, _, d = k_cache.shape
     k_cache.view(h, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))

@@ -450,7 +450,7 @@ class LLMEngine:
         and session pins, computed with the old weights, are dropped. Call it between
         steps. Returns how many tensors changed."""
         scheme = quantization.get(self.config.model.quantization)
-        if scheme is not None and not scheme.keeps_weights:
+        if scheme is not None and not scheme.takes_updates:
             raise ValueError(f"quantization={scheme.name!r} keeps no dequantized weights to update; serve with "
                              "--quantization w4a8, w8a8, int8 or none to take weight updates")
         named = self.check_weights(weights)

@@ -38,16 +38,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batches and prompts; w4a8: 4-bit weights (Q4_1's form, a Q4_1 GGUF's own values) times "
                         "int8 activations, the fastest batches on AVX2 CPUs; gguf: a GGUF's own quantized blocks "
                         "(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K; other types requantized to 8 bits) in every layer, "
-                        "as llama.cpp computes them, at about the file's size in memory (docs/benchmarks.md has the "
-                        "quality cost of each)")
+                        "as llama.cpp computes them, at about the file's size in memory; fp8 (CUDA): e4m3 weights with a "
+                        "scale per output channel times FP8 activations per token, half the bytes of bf16 "
+                        "(docs/benchmarks.md has the quality cost of each)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache (default 1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-memory")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="auto: K and V in the model's dtype; int8: 8-bit K and V with a scale per token "
-                        "(~1.9x the tokens per GiB, faster decode attention; bfloat16, sluice's kernels; "
-                        "docs/benchmarks.md has its quality cost)")
+                        "(~1.9x the tokens per GiB, faster decode attention; bfloat16, sluice's CPU kernels); fp8: "
+                        "e4m3 K and V with a scale per token (CUDA: the same gain on a GPU); docs/benchmarks.md "
+                        "has their quality cost")
     g.add_argument("--kv-offload-memory", type=float, default=0.0,
                    help="GiB of host memory for KV blocks the cache evicts (prefix-cache and session blocks): a "
                         "later hit copies them back instead of recomputing them (default 0: off)")

@@ -475,16 +475,25 @@ class LlamaForCausalLM(nn.Module):
             param = params[slot.param]
             dst = param if slot.offset == 0 and part.shape == param.shape else param.narrow(0, slot.offset, part.shape[0])
             blocks = getattr(tensor, "gguf_blocks", None)
-            if dst.device.type == "meta":  # a layer built without weights: its blocks are
+            owner = self.get_submodule(slot.param.rpartition(".")[0])
+            writer = getattr(owner, "write_rows", None) if slot.param.endswith(".weight") else None
+            fp8 = getattr(tensor, "fp8", None)
+            if writer is not None and dst.device.type == "meta":
+                # A layer whose scheme released its weight for another form (FP8) quantizes
+                # the new rows itself.
+                writer(slot.offset, part)
+            elif dst.device.type == "meta":  # a layer built without weights: its blocks are
                 if blocks is None or part.shape != tensor.shape:
                     raise ValueError(f"{name}: a layer built without weights takes a GGUF's blocks whole")
             elif tensor.device.type == "meta":  # only the blocks came: the values from them
                 dst.copy_(blocks_of(blocks))
             else:
                 dst.copy_(part)
+            if fp8 is not None and part.shape == tensor.shape and writer is None:
+                # The checkpoint's own FP8 values and scales of these rows, for quantization='fp8'.
+                owner.source_fp8 = {**(getattr(owner, "source_fp8", None) or {}), slot.offset: fp8}
             if blocks is not None and part.shape == tensor.shape:
                 # The file's own quantized blocks of these rows, for quantization='gguf'.
-                owner = self.get_submodule(slot.param.rpartition(".")[0])
                 owner.source_blocks = {**(getattr(owner, "source_blocks", None) or {}), slot.offset: blocks}
             written.setdefault(slot.param, []).append((slot.offset, dst.shape[0]))
             seen.add(name)

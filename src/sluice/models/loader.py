@@ -297,10 +297,78 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors files")
+    scales = _fp8_scales(folder, files)
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key).to(dtype)
+                if key.endswith(FP8_SIDE_TENSORS):
+                    continue
+                t = f.get_tensor(key)
+                if t.dtype == torch.float8_e4m3fn:
+                    yield key, _fp8_weight(key, t, scales, dtype)
+                else:
+                    yield key, t.to(dtype)
+
+
+# The tensors an FP8 checkpoint (vLLM's quant_method "fp8", compressed-tensors float8)
+# keeps beside each weight: its scale, and a static activation scale that sluice does not
+# use (its activations are quantized per token when a step runs).
+FP8_SIDE_TENSORS = (".weight_scale", ".input_scale")
+
+
+def _fp8_scales(folder: Path, files: list[str]) -> dict[str, torch.Tensor]:
+    """Every `<layer>.weight_scale` of the checkpoint (small: one number or one per output
+    channel), read first: a weight's scale may sit in another shard file."""
+    from safetensors import safe_open
+    out = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(".weight_scale"):
+                    out[key] = f.get_tensor(key).float()
+    return out
+
+
+def _fp8_weight(key: str, q: torch.Tensor, scales: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """An e4m3 weight [N, K] and its scale (one per tensor or per output channel) as the
+    values q * scale in `dtype`, carrying the checkpoint's own form as `tensor.fp8`
+    (e4m3 [N, K], float32 scale per row) for quantization='fp8'."""
+    from sluice.backends.cuda.fp8 import check_scales
+    name = key.removesuffix(".weight") + ".weight_scale"
+    if name not in scales:
+        raise ValueError(f"{key}: an FP8 weight without its {name}")
+    scale = scales[name]
+    n = q.shape[0]
+    if scale.numel() == 1:
+        scale = scale.reshape(1).expand(n).contiguous()
+    elif scale.numel() == n:
+        scale = scale.reshape(n)
+    else:
+        raise ValueError(f"{name}: shape {tuple(scale.shape)}; sluice reads FP8 scales per tensor or per output "
+                         f"channel ({n}), not per block")
+    check_scales(scale, name)
+    values = (q.float() * scale[:, None]).to(dtype)
+    values.fp8 = (q, scale)
+    return values
+
+
+def checkpoint_is_fp8(src) -> bool:
+    """A Hugging Face folder whose config says its weights are FP8 (vLLM's quant_method
+    "fp8", or compressed-tensors with 8-bit float weights)."""
+    if src.is_gguf:
+        return False
+    path = Path(src.path) / "config.json"
+    if not path.is_file():
+        return False
+    qc = json.loads(path.read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8":
+        return True
+    if qc.get("quant_method") == "compressed-tensors":
+        for group in (qc.get("config_groups") or {}).values():
+            w = (group or {}).get("weights") or {}
+            if w.get("type") == "float" and w.get("num_bits") == 8:
+                return True
+    return False
 
 
 # GGUF tensor name -> Hugging Face name (llama.cpp's convert_hf_to_gguf mapping, reversed).

@@ -32,6 +32,9 @@ class QuantizationScheme:
     needs_kernels = True
     # The layers keep their dequantized weights (what a weight update writes into).
     keeps_weights = True
+    # A weight update can write new rows (into the kept weights, or through the layer's
+    # `write_rows` where the scheme released them).
+    takes_updates = True
 
     def quantize_rows(self, module: Linear, start: int = 0, rows: int | None = None) -> None:
         """Quantize rows [start, start + rows) of the layer's weight (all by default) in place."""

@@ -122,6 +122,7 @@ class BlockRows:
 class GGUF(QuantizationScheme):
     name = "gguf"
     keeps_weights = False
+    takes_updates = False
 
     def quantize_rows(self, module, start=0, rows=None):
         # The form is taken when the layer is packed (kernel_method): the file's blocks for

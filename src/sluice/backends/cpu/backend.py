@@ -75,6 +75,19 @@ def _modes(quantization, kv_cache_dtype, deterministic) -> list[tuple[str, str]]
     return out
 
 
+def refuse_gpu_modes(quantization: str | None, kv_cache_dtype: str) -> None:
+    """One-line ValueErrors for the modes only the CUDA backend runs (FP8), naming what
+    the CPU runs instead."""
+    scheme = quant.get(quantization)
+    if scheme is not None and "cpu" not in scheme.families:
+        cpu_ok = ", ".join(s.name for s in quant.SCHEMES.values() if "cpu" in s.families)
+        raise ValueError(f"quantization={quantization!r} runs on CUDA ({' and '.join(scheme.families)}: FP8 tensor "
+                         f"cores); on device='cpu' what works: quantization {cpu_ok} or none")
+    if kv_cache_dtype == "fp8":
+        raise ValueError("kv_cache_dtype='fp8' runs on CUDA (its Triton attention reads e4m3); on device='cpu' what "
+                         "works: kv_cache_dtype='int8' (the same bytes a token, sluice's kernels) or 'auto'")
+
+
 def check(cpu_isa: str, quantization: str | None, kv_cache_dtype: str, deterministic: bool) -> str:
     """The kernel variant this configuration runs ("generic" for none), or a one-line
     ValueError for what cannot run here; reads the CPU, builds nothing."""
@@ -238,6 +251,7 @@ class CpuBackend(Backend):
     def check_settings(cls, model_config, cache_config, tensor_parallel_size: int) -> None:
         from sluice.backends.select import parse_dtype
         m, kv = model_config, cache_config.kv_cache_dtype
+        refuse_gpu_modes(m.quantization, kv)
         isa = check(m.cpu_isa, m.quantization, kv, m.deterministic)
         dtype = parse_dtype(m.dtype)
         model_dtype(m, kv, isa, auto_dtype(isa) if dtype is None else dtype)
@@ -249,6 +263,7 @@ class CpuBackend(Backend):
         (building on first use) the kernels it needs. dtype: the model dtype asked for
         (None: 'auto'). Raises ValueError, before any weight is loaded, for what cannot run."""
         m, kv = model_config, cache_config.kv_cache_dtype
+        refuse_gpu_modes(m.quantization, kv)
         isa = check(m.cpu_isa, m.quantization, kv, m.deterministic)
         if m.quantization == "gguf" and tensor_parallel_size > 1:
             raise ValueError("quantization='gguf' runs in one process (its blocks are not split across ranks); "

@@ -28,14 +28,43 @@ how the suite proves them against the torch reference without a GPU.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from sluice.backends.cuda.fp8 import e4m3_round
+
 
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(n))
+
+
+@dataclass
+class _CacheArgs:
+    """What a kernel is given for a layer's K and V caches: the values' tensors, the
+    scales' (FP8: the same bytes as float32; else the values again, unread), the strides
+    in elements, and where a block's values start."""
+    k: torch.Tensor
+    v: torch.Tensor
+    ks: torch.Tensor
+    vs: torch.Tensor
+    stride_kh: int
+    stride_kb: int
+    stride_ks: int
+    fp8: bool
+    data0: int
+
+
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> _CacheArgs:
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return _CacheArgs(k_cache, v_cache, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          False, 0)
+    # The FP8 layout (backends/kv_fp8.py): per block, block_size float32 scales, then the rows.
+    bs = k_cache.shape[2]
+    return _CacheArgs(k_cache, v_cache, k_cache.view(torch.float32), v_cache.view(torch.float32), k_cache.stride(0),
+                      k_cache.stride(1), head_dim, True, bs * 4)
 
 
 def _ieee(dtype: torch.dtype) -> bool:
@@ -46,14 +75,23 @@ def _ieee(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE: tl.constexpr):
-    """One tile of keys into a running online softmax: the scores of q against the keys at
-    `at` (those `visible`), then (max, sum, weighted values) rescaled and extended."""
+def _attend(q, K, V, KS, VS, base, row, d, j_ok, kv_ok, visible, scale, m_i, l_i, acc, stride_ks,
+            IEEE: tl.constexpr, FP8: tl.constexpr, DATA0: tl.constexpr):
+    """One tile of keys into a running online softmax: the scores of q against the keys of
+    rows `row` of the blocks at `base` (those `visible`), then (max, sum, weighted values)
+    rescaled and extended. FP8: the values start DATA0 bytes into each block, and each
+    key's scores and each value's weight are scaled by its token's scale (KS, VS: the
+    same caches as float32, a block's first block_size words)."""
+    at = base[:, None] + DATA0 + row[:, None] * stride_ks + d[None, :]
     k = tl.load(K + at, mask=kv_ok, other=0.0)
+    if FP8:
+        k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    if FP8:
+        s = s * tl.load(KS + base // 4 + row, mask=j_ok, other=0.0)[None, :]
     s = tl.where(visible, s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row none of whose keys is visible yet keeps m = -inf: no exp(-inf - -inf).
@@ -62,6 +100,9 @@ def _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE: tl.constexp
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + at, mask=kv_ok, other=0.0)
+    if FP8:
+        v = v.to(q.dtype)
+        p = p * tl.load(VS + base // 4 + row, mask=j_ok, other=0.0)[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -70,10 +111,11 @@ def _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE: tl.constexp
 
 
 @triton.jit
-def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale, window,
+def _varlen_kernel(Q, K, V, KS, VS, Out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale, window,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_ks, stride_bt,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   FP8: tl.constexpr, DATA0: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     req = tl.load(tile_req + tile)
@@ -102,11 +144,12 @@ def _varlen_kernel(Q, K, V, Out, block_tables, seq_lens, query_start, tile_req, 
         j = start + n
         j_ok = j < last
         blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
-        at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
+        base = kvh * stride_kh + blk.to(tl.int64) * stride_kb
         kv_ok = j_ok[:, None] & d_ok[None, :]
         visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
         visible = visible & ((window == 0) | (j[None, :] > pos[:, None] - window))
-        m_i, l_i, acc = _attend(q, K, V, at, kv_ok, visible, scale, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _attend(q, K, V, KS, VS, base, j % BLOCK_SIZE, d, j_ok, kv_ok, visible, scale, m_i, l_i, acc,
+                                stride_ks, IEEE, FP8, DATA0)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -146,20 +189,22 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     rows = _pow2(block_q * group, 16)
     grid = (tile_req.numel(), hkv)
-    _varlen_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
-                         window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-                         k_cache.stride(2), block_tables.stride(0),
+    c = _cache_args(k_cache, v_cache, d)
+    _varlen_kernel[grid](q, c.k, c.v, c.ks, c.vs, out, block_tables, seq_lens, query_start, tile_req, tile_q0, scale,
+                         window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), c.stride_kh, c.stride_kb,
+                         c.stride_ks, block_tables.stride(0),
                          G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), BLOCK_Q=block_q, ROWS=rows, BLOCK_SIZE=bs,
-                         BLOCK_N=max(16, bs), IEEE=_ieee(q.dtype))
+                         BLOCK_N=max(16, bs), IEEE=_ieee(q.dtype), FP8=c.fp8, DATA0=c.data0)
     return out
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split_len, window,
+def _decode_split_kernel(Q, K, V, KS, VS, Mid, Lse, block_tables, seq_lens, scale, split_len, window,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_bt,
                          stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
                          G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                         FP8: tl.constexpr, DATA0: tl.constexpr):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -182,9 +227,10 @@ def _decode_split_kernel(Q, K, V, Mid, Lse, block_tables, seq_lens, scale, split
         j = start + n
         j_ok = j < hi
         blk = tl.load(block_tables + req * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
-        at = kvh * stride_kh + blk[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
+        base = kvh * stride_kh + blk.to(tl.int64) * stride_kb
         kv_ok = j_ok[:, None] & d_ok[None, :]
-        m_i, l_i, acc = _attend(q, K, V, at, kv_ok, j_ok[None, :], scale, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _attend(q, K, V, KS, VS, base, j % BLOCK_SIZE, d, j_ok, kv_ok, j_ok[None, :], scale, m_i, l_i,
+                                acc, stride_ks, IEEE, FP8, DATA0)
     # The split's normalised values and its log-sum-exp (-inf for an empty split).
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -225,12 +271,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     mid = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    c = _cache_args(k_cache, v_cache, d)
     _decode_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, mid, lse, block_tables, seq_lens, scale, split_len, window,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, c.k, c.v, c.ks, c.vs, mid, lse, block_tables, seq_lens, scale, split_len, window,
+        q.stride(0), q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks, block_tables.stride(0),
         mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
         G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), ROWS=_pow2(group, 16), BLOCK_SIZE=bs, BLOCK_N=max(16, bs),
-        IEEE=_ieee(q.dtype))
+        IEEE=_ieee(q.dtype), FP8=c.fp8, DATA0=c.data0)
     _decode_merge_kernel[(b, hq)](mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
                                   lse.stride(1), out.stride(0), out.stride(1), SPLITS=splits, S_PAD=_pow2(splits),
                                   HEAD_DIM=d, D_PAD=_pow2(d))
@@ -238,14 +285,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _rope_write_kernel(QKV, Cos, Sin, Qout, K, V, slots, stride_t, stride_ct, stride_qt, stride_qh,
+def _rope_write_kernel(QKV, Cos, Sin, Qout, K, V, KS, VS, slots, stride_t, stride_ct, stride_qt, stride_qh,
                        stride_kh, stride_kb, stride_ks,
                        HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       H_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                       H_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
     """One program per token: RoPE (rotate-half) on its query and key heads, q to Qout, k
     and v into the cache at the token's slot. Products in float32, one rounding each, as
     torch's x * cos + rotate_half(x) * sin (in the model's dtype) would not promise: the
-    reference comparison is to rounding."""
+    reference comparison is to rounding. FP8: k (rounded to the model's dtype first, as
+    the torch path holds it) and v quantized per head with their scales (kv_fp8.py)."""
     t = tl.program_id(0)
     h = tl.arange(0, H_PAD)
     i = tl.arange(0, HALF)
@@ -260,19 +308,43 @@ def _rope_write_kernel(QKV, Cos, Sin, Qout, K, V, slots, stride_t, stride_ct, st
     qo = Qout + t * stride_qt + h[:, None] * stride_qh
     tl.store(qo + i[None, :], (x1 * cos1[None, :] - x2 * sin1[None, :]).to(Qout.dtype.element_ty), mask=qm)
     tl.store(qo + HALF + i[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(Qout.dtype.element_ty), mask=qm)
-    slot = tl.load(slots + t)
+    slot = tl.load(slots + t).to(tl.int64)
     kvm = (h < HKV)[:, None]
-    dst = h[:, None] * stride_kh + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
     kb = base + HQ * HEAD_DIM + h[:, None] * HEAD_DIM
     k1 = tl.load(kb + i[None, :], mask=kvm, other=0.0).to(tl.float32)
     k2 = tl.load(kb + HALF + i[None, :], mask=kvm, other=0.0).to(tl.float32)
-    tl.store(K + dst + i[None, :], (k1 * cos1[None, :] - k2 * sin1[None, :]).to(K.dtype.element_ty), mask=kvm)
-    tl.store(K + dst + HALF + i[None, :], (k2 * cos2[None, :] + k1 * sin2[None, :]).to(K.dtype.element_ty), mask=kvm)
+    r1 = k1 * cos1[None, :] - k2 * sin1[None, :]
+    r2 = k2 * cos2[None, :] + k1 * sin2[None, :]
     vb = base + (HQ + HKV) * HEAD_DIM + h[:, None] * HEAD_DIM
     v1 = tl.load(vb + i[None, :], mask=kvm, other=0.0)
     v2 = tl.load(vb + HALF + i[None, :], mask=kvm, other=0.0)
-    tl.store(V + dst + i[None, :], v1, mask=kvm)
-    tl.store(V + dst + HALF + i[None, :], v2, mask=kvm)
+    if FP8:
+        blk = h[:, None] * stride_kh + (slot // BLOCK_SIZE) * stride_kb
+        row = slot % BLOCK_SIZE
+        dst = blk + BLOCK_SIZE * 4 + row * HEAD_DIM
+        r1 = r1.to(QKV.dtype.element_ty).to(tl.float32)
+        r2 = r2.to(QKV.dtype.element_ty).to(tl.float32)
+        _write_fp8_row(K, KS, blk // 4 + row, dst, i, r1, r2, kvm, HALF)
+        _write_fp8_row(V, VS, blk // 4 + row, dst, i, v1.to(tl.float32), v2.to(tl.float32), kvm, HALF)
+    else:
+        dst = h[:, None] * stride_kh + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+        tl.store(K + dst + i[None, :], r1.to(K.dtype.element_ty), mask=kvm)
+        tl.store(K + dst + HALF + i[None, :], r2.to(K.dtype.element_ty), mask=kvm)
+        tl.store(V + dst + i[None, :], v1, mask=kvm)
+        tl.store(V + dst + HALF + i[None, :], v2, mask=kvm)
+
+
+@triton.jit
+def _write_fp8_row(C, CS, scale_at, dst, i, x1, x2, ok, HALF: tl.constexpr):
+    """One token's values of each head (two halves [H, HALF], float32) into an FP8 cache:
+    scale = max|x| / 448 per head, values e4m3(x * 448 / max|x|) (kv_fp8.py)."""
+    top = tl.maximum(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)), 1e-12)
+    inv = (448.0 / top)[:, None]
+    y1 = e4m3_round(tl.minimum(tl.maximum(x1 * inv, -448.0), 448.0))
+    y2 = e4m3_round(tl.minimum(tl.maximum(x2 * inv, -448.0), 448.0))
+    tl.store(C + dst + i[None, :], y1.to(C.dtype.element_ty), mask=ok)
+    tl.store(C + dst + HALF + i[None, :], y2.to(C.dtype.element_ty), mask=ok)
+    tl.store(CS + scale_at, (top / 448.0)[:, None], mask=ok)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -286,8 +358,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         return q
     cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
     qkv = qkv.contiguous()
-    _rope_write_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos2.stride(0),
-                             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    c = _cache_args(k_cache, v_cache, head_dim)
+    _rope_write_kernel[(t,)](qkv, cos2, sin2, q, c.k, c.v, c.ks, c.vs, slot_mapping, qkv.stride(0), cos2.stride(0),
+                             q.stride(0), q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks,
                              HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
-                             H_PAD=_pow2(max(num_heads, num_kv_heads)), BLOCK_SIZE=k_cache.shape[2])
+                             H_PAD=_pow2(max(num_heads, num_kv_heads)), BLOCK_SIZE=k_cache.shape[2], FP8=c.fp8)
     return q

@@ -1,14 +1,17 @@
-"""The CUDA backend: bf16 / fp16 weights through torch's matmuls (cuBLAS), paged attention
-and RoPE with the K/V write in Triton (attention.py), RMSNorm (+ residual) and SwiGLU in
-Triton (ops.py), sampling on the GPU with one host sync a step (the runner's), the KV cache
-sized from the GPU's free memory, and CUDA graphs for decode-only steps (graphs.py).
+"""The CUDA backend: bf16 / fp16 weights through torch's matmuls (cuBLAS) or, at the few
+rows where it measured faster on this GPU, a split-K GEMV in Triton (gemv.py); FP8 weights
+(--quantization fp8: fp8.py) through torch._scaled_mm and the same GEMV; paged attention
+and RoPE with the K/V write in Triton (attention.py) over a bf16 or FP8 KV cache
+(kv_fp8.py), RMSNorm (+ residual) and SwiGLU in Triton (ops.py), sampling on the GPU with
+one host sync a step (the runner's), the KV cache sized from the GPU's free memory, and
+CUDA graphs for decode-only steps (graphs.py).
 
 Its plan line, e.g.:
-    backend: cuda dtype=bfloat16 linear=cublas attention=triton-varlen+splitk kv=bfloat16
+    backend: cuda dtype=bfloat16 linear=fp8(scaled_mm+gemv) attention=triton-varlen+splitk kv=fp8
              norm=triton rope=triton head=cublas graphs=1,2,4,...,256 deterministic=off
 
-What it does not run is refused in one line before anything loads: the quantization
-schemes and the int8 KV cache (their kernels are the CPU's), deterministic mode (its
+What it does not run is refused in one line before anything loads: the CPU's quantization
+schemes and int8 KV cache (their kernels are the CPU's), deterministic mode (its
 batch-invariant kernels are the CPU's) and tensor parallelism (its ranks talk gloo).
 
 Without a GPU the same backend runs on CPU tensors under Triton's interpreter
@@ -23,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice import quantization as quant
 from sluice.backends.base import AttentionMetadata, Backend, FlatBatch
+from sluice.backends.kv_fp8 import FP8_ROW_EXTRA
 from sluice.backends.torch_ref import TorchOps
 
 logger = logging.getLogger("sluice.backends.select")
@@ -121,9 +126,13 @@ class CudaBackend(Backend):
     # Query heads per KV head (prepare() reads it off the model): an attention tile's rows
     # per query token.
     group: int = field(default=1, init=False)
+    # The quantization scheme's name (None: the weights as loaded).
+    quantization: str | None = None
     # The decode graphs (capture()) and their batch sizes, for the plan line.
     _graphs: object = field(default=None, init=False, repr=False)
     _graph_sizes: list = field(default_factory=list, init=False, repr=False)
+    # bf16 layers that run the GEMV at some row counts (the calibration's choice).
+    _gemv_layers: int = field(default=0, init=False, repr=False)
 
     family = "cuda"
     # A GPU runs a 2,048-token step in one go.
@@ -137,6 +146,15 @@ class CudaBackend(Backend):
 
     # -- chosen before anything loads ----------------------------------------------
     @classmethod
+    def auto_quantization(cls, model_config, tensor_parallel_size: int) -> str | None:
+        """A checkpoint that carries FP8 weights runs them as they are (quantization='fp8')."""
+        from sluice.models.loader import checkpoint_is_fp8, resolve_model
+        try:
+            return "fp8" if checkpoint_is_fp8(resolve_model(model_config.model)) else None
+        except ValueError:
+            return None  # an unknown model: the loader says so
+
+    @classmethod
     def auto_dtype_for(cls, device: str, cpu_isa: str = "auto") -> torch.dtype:
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return torch.float16
@@ -145,12 +163,14 @@ class CudaBackend(Backend):
     @classmethod
     def check_settings(cls, model_config, cache_config, tensor_parallel_size: int) -> None:
         m = model_config
-        if m.quantization is not None:
+        scheme = quant.get(m.quantization)
+        if scheme is not None and cls.family not in scheme.families:
+            ok = "".join(f"quantization={s.name!r} or " for s in quant.SCHEMES.values() if cls.family in s.families)
             raise ValueError(f"quantization={m.quantization!r} runs on sluice's CPU kernels; on device={m.device!r} "
-                             f"what works: quantization=None (bf16 or fp16 weights through cuBLAS)")
-        if cache_config.kv_cache_dtype != "auto":
+                             f"what works: {ok}None (bf16 or fp16 weights through cuBLAS)")
+        if cache_config.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype={cache_config.kv_cache_dtype!r} runs on sluice's CPU kernels; on "
-                             f"device={m.device!r} what works: kv_cache_dtype='auto'")
+                             f"device={m.device!r} what works: kv_cache_dtype='fp8' (the same saving) or 'auto'")
         if m.deterministic:
             raise ValueError(f"deterministic mode runs on the CPU (its batch-invariant kernels have no CUDA build "
                              f"yet); on device={m.device!r} what works: the default (non-deterministic) mode")
@@ -175,33 +195,112 @@ class CudaBackend(Backend):
             raise ValueError(f"device={model_config.device!r} needs triton ({e}); pip install triton") from e
         dtype = cls.auto_dtype_for(model_config.device) if dtype is None else dtype
         graphs = device.type == "cuda" and not model_config.enforce_eager
-        return cls(device=device, dtype=dtype, kv_cache_dtype="auto", deterministic=False,
+        return cls(device=device, dtype=dtype, kv_cache_dtype=cache_config.kv_cache_dtype, deterministic=False,
                    tensor_parallel_size=tensor_parallel_size, graphs_enabled=graphs,
-                   gpu_memory_utilization=cache_config.gpu_memory_utilization)
+                   gpu_memory_utilization=cache_config.gpu_memory_utilization, quantization=model_config.quantization)
 
     def line(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         graphs = ("off" if not self.graphs_enabled else ",".join(map(str, self._graph_sizes)) if self._graph_sizes
                   else "on")
-        return (f"backend: {self.device.type} dtype={dtype} linear=cublas attention=triton-varlen+splitk kv={dtype} "
-                f"norm=triton rope=triton head=cublas graphs={graphs} deterministic=off")
+        kv = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return (f"backend: {self.device.type} dtype={dtype} linear={self._linear_name()} "
+                f"attention=triton-varlen+splitk kv={kv} norm=triton rope=triton head=cublas graphs={graphs} "
+                f"deterministic=off")
+
+    def _linear_name(self) -> str:
+        """cublas, with +gemv where the GEMV runs some row counts; fp8(scaled_mm+gemv)."""
+        if self.quantization == "fp8":
+            return "fp8(scaled_mm+gemv)"
+        return "cublas+gemv" if self._gemv_layers else "cublas"
 
     # -- the model --------------------------------------------------------------
+    def check_model(self, arch) -> None:
+        if self.kv_cache_dtype == "fp8" and arch.head_dim % 4:
+            raise ValueError(f"kv_cache_dtype='fp8' takes head_dim a multiple of 4 (each row's float32 scale "
+                             f"stays aligned), this model has {arch.head_dim}")
+
     @torch.no_grad()
     def prepare(self, model, quantization=None, max_positions=None, with_head: bool = True) -> None:
+        """Quantize to FP8 if asked (the layers keep only their FP8 form), measure where the
+        GEMV beats cuBLAS on this GPU (not under the interpreter: there the FP8 layers run
+        it up to GEMV_MAX_ROWS rows and bf16 layers keep F.linear), set the layer ops."""
+        from sluice.backends.cuda.fp8 import Fp8Linear
+        from sluice.backends.cuda.gemv import GEMV_MAX_ROWS
+        from sluice.quantization.fp8 import fp8_layers
         # Query heads per KV head: the rows of one attention tile per query token.
         self.group = model.arch.num_heads // model.arch.num_kv_heads
+        scheme = quant.get(quantization)
+        layers = fp8_layers(model)
+        measure = self.device.type == "cuda" and not interpreted()
+        choices: dict = {}
+        for name, module in layers:
+            if scheme is not None:
+                scheme.quantize_rows(module)
+                scheme.release(module)
+                module.method = Fp8Linear(module.fp8_weight, module.fp8_scale, None, GEMV_MAX_ROWS)
+            if measure:
+                choice = self._calibrated(module, choices)
+                if scheme is not None:
+                    module.method.gemv_choice = choice
+                elif choice.configs:
+                    from sluice.backends.cuda.fp8 import GemvLinear
+                    module.method = GemvLinear(module.weight, choice)
+                    self._gemv_layers += 1
+        if measure:
+            self._log_gemv(choices)
         for module in model.modules():
             if hasattr(type(module), "ops"):
                 module.ops = self.ops
         if with_head:
             model.head = model.lm_head
 
+    def _calibrated(self, module, choices: dict):
+        """The GEMV's measured choice for this layer's shape (one measurement a shape)."""
+        from sluice.backends.cuda.gemv import calibrate
+        fp8 = getattr(module, "fp8_weight", None) is not None
+        weight = module.fp8_weight if fp8 else module.weight
+        key = (tuple(weight.shape), fp8)
+        if key not in choices:
+            if fp8:
+                other = lambda x: module.method(x)  # noqa: E731 (its _scaled_mm path: no choice set yet)
+                saved, module.method.gemv_max_rows = module.method.gemv_max_rows, 0
+                try:
+                    choices[key] = calibrate(weight, module.fp8_scale, other, self.dtype)
+                finally:
+                    module.method.gemv_max_rows = saved
+            else:
+                choices[key] = calibrate(weight, None, lambda x: torch.nn.functional.linear(x, weight), self.dtype)
+        return choices[key]
+
+    @staticmethod
+    def _log_gemv(choices: dict) -> None:
+        for (shape, fp8), choice in choices.items():
+            parts = [f"{rows}: {'gemv ' + choice.configs[rows].describe() if rows in choice.configs else 'cublas'} "
+                     f"{t_g:.1f} vs {t_o:.1f} us" for rows, (t_g, t_o) in sorted(choice.times.items())]
+            logger.info("GEMV %s %dx%d, rows %s", "fp8" if fp8 else "bf16", shape[0], shape[1], "; ".join(parts))
+
     def update(self, model, quantization, written, with_head: bool = True) -> None:
-        """Weights are used as loaded (no packed copies): nothing to rebuild but the graphs,
-        which read the parameters in place and so see the new values."""
+        """Weights are used in place (bf16 layers as loaded; FP8 layers' new rows were
+        quantized by their write_rows as they were written): nothing to rebuild but the
+        graphs, which read the tensors in place and so see the new values."""
 
     # -- the KV cache -------------------------------------------------------------
+    def kv_row_bytes(self, arch) -> int:
+        if self.kv_cache_dtype == "fp8":
+            return arch.head_dim + FP8_ROW_EXTRA
+        return super().kv_row_bytes(arch)
+
+    def allocate_kv_cache(self, num_layers, num_kv_heads, num_blocks, block_size, head_dim):
+        """bf16 (the model's dtype) as every backend, or the FP8 layout (kv_fp8.py):
+        [kv_heads, num_blocks + 1, block_size, head_dim + 4] e4m3 bytes, each block's first
+        4 x block_size bytes its tokens' float32 scales."""
+        if self.kv_cache_dtype != "fp8":
+            return super().allocate_kv_cache(num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim + FP8_ROW_EXTRA)
+        return [(torch.zeros(shape, dtype=torch.float8_e4m3fn, device=self.device),
+                 torch.zeros(shape, dtype=torch.float8_e4m3fn, device=self.device)) for _ in range(num_layers)]
+
     def num_kv_blocks(self, cache, arch, num_kv_heads=None) -> int:
         """As many blocks as `gpu_memory_utilization` of the GPU leaves once the weights
         (already loaded) and a step's activations are in: --kv-cache-memory's role on a CPU."""
