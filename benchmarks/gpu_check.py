@@ -4,11 +4,15 @@ random weights (nothing downloaded; speed does not depend on the values), beside
 transformers' own continuous batching on the same GPU, printed as one table and written as
 JSON.
 
-  (a) the Triton kernel tests on the GPU (compiled, not interpreted), and the engine's
-      greedy tokens on the GPU against the CPU engine's on the same float32 checkpoint;
+  (a) the Triton kernel tests on the GPU (compiled, not interpreted: attention, FP8, GEMV),
+      and the engine's greedy tokens on the GPU against the CPU engine's on the same
+      float32 checkpoint;
   (b) a SmolLM2-135M-shaped model (the default model's shape), served: c1 / c32 / c128;
   (c) a Llama-3.1-8B-shaped model, offline and served: c1 / c32 / c128, 512-token prompts,
-      256-token outputs; offline also with asynchronous scheduling off at c1 / c32;
+      256-token outputs, bf16 and FP8 weights (--quantization fp8); offline also with
+      asynchronous scheduling off at c1 / c32; where a decode step's time goes at c1 and
+      c32 (GPU kernels against the step's wall time, from torch's profiler), and the
+      GEMV's calibration against cuBLAS per layer shape (the engine's log);
   (d) transformers' continuous batching on the 8B shape: c1 and c32.
 
 Each model folder holds a config.json and the tokenizer files (`--tokenizer-dir`, e.g. the
@@ -70,7 +74,8 @@ def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
 def check_correctness(args, out: Path) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     res = run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-               str(ROOT / "tests" / "unit" / "test_triton_kernels.py")], 600, env=env, cwd=ROOT)
+               str(ROOT / "tests" / "unit" / "test_triton_kernels.py"),
+               str(ROOT / "tests" / "unit" / "test_triton_fp8.py")], 600, env=env, cwd=ROOT)
     tail = (res.stdout + res.stderr).strip().splitlines()[-1:] or ["(no output)"]
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -94,16 +99,20 @@ def check_correctness(args, out: Path) -> dict:
 
 # -- (b), (c) sluice ----------------------------------------------------------------
 def offline(args, folder: Path, concurrencies: list[int], requests: list[int], prompt_len: int,
-            output_len: int, async_scheduling: bool = True) -> dict:
+            output_len: int, async_scheduling: bool = True, quantization: str | None = None,
+            profile_rows: tuple = ()) -> dict:
     """One engine (its kernels compiled and graphs captured once); for each concurrency c a
     closed loop that keeps c requests in flight until `requests` are done. async_scheduling:
-    the overlap loop (the GPU's default) or the plain one, to measure what it is worth."""
+    the overlap loop (the GPU's default) or the plain one, to measure what it is worth.
+    quantization: 'fp8' for FP8 weights. profile_rows: decode batch sizes whose steps are
+    profiled (decode_profile)."""
     import torch
 
     from sluice import LLMEngine, SamplingParams
     engine = LLMEngine.from_kwargs(model=str(folder), device=args.device, load_format="dummy",
                                    max_num_seqs=max(concurrencies), speculative_method=None,
-                                   max_model_len=prompt_len + output_len + 16, async_scheduling=async_scheduling)
+                                   max_model_len=prompt_len + output_len + 16, async_scheduling=async_scheduling,
+                                   quantization=quantization)
     rng = random.Random(1)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warm", [rng.randrange(3, 40000) for _ in range(prompt_len)], params.clone(max_tokens=4))
@@ -127,21 +136,56 @@ def offline(args, folder: Path, concurrencies: list[int], requests: list[int], p
                         sent += 1
         engine.backend.synchronize()
         rows[c] = {"output_tok_per_s": tokens / (time.perf_counter() - t0)}
+    for c in profile_rows:
+        rows[f"profile_c{c}"] = decode_profile(engine, rng, c, prompt_len)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
 
 
+def decode_profile(engine, rng, rows: int, prompt_len: int, steps: int = 8) -> dict:
+    """Where a decode step's time goes at `rows` rows: `rows` requests decoding, then
+    `steps` steps under torch's profiler: the wall time a step, the GPU kernels' time a step
+    (the rest is gaps: launches, host work the GPU waits for), and the kernels that take
+    the most."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sluice import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=steps + 12, ignore_eos=True)
+    ids = [f"prof{rows}-{i}" for i in range(rows)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(3, 40000) for _ in range(prompt_len)], params.clone())
+    for _ in range(8):  # every prompt in, the batch decoding
+        engine.step()
+    engine.backend.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        engine.backend.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sum(e.self_device_time_total for e in kernels) / steps / 1e3  # µs -> ms
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"rows": rows, "step_ms": wall * 1e3, "gpu_kernels_ms": gpu, "gaps_ms": wall * 1e3 - gpu,
+            "top_kernels": [(e.key[:60], round(e.self_device_time_total / steps / 1e3, 3)) for e in top]}
+
+
 def served(args, folder: Path, concurrencies: list[int], requests: list[int], prompt_len: int, output_len: int,
-           out: Path, name: str) -> list[dict]:
+           out: Path, name: str, extra: tuple = ()) -> list[dict]:
     port = free_port()
     log = open(out / f"{name}-server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", "--model", str(folder),
                                "--device", args.device, "--load-format", "dummy", "--port", str(port),
                                "--served-model-name", "sluice",
                                "--speculative-method", "off", "--max-model-len", str(prompt_len + output_len + 16),
-                               "--max-num-seqs", str(max(concurrencies))],
+                               "--max-num-seqs", str(max(concurrencies)), *extra],
                               stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     try:
         import httpx
@@ -239,6 +283,8 @@ def main() -> int:
     p_len, o_len = (32, 16) if args.quick else (512, 256)
     cs = [1, 4] if args.quick else [1, 32, 128]
     reqs = [2, 8] if args.quick else [4, 64, 256]
+    # FP8 weights run on the CUDA backend only (the CPU dry run refuses them).
+    fp8 = args.device.startswith("cuda")
     if "b" not in skip:
         folder = model_folder(args.out, "smollm2-shape", small, args.tokenizer_dir)
         report["smollm2_served"] = served(args, folder, cs, reqs, 210 if not args.quick else 32,
@@ -246,14 +292,22 @@ def main() -> int:
         print(json.dumps(report["smollm2_served"]), flush=True)
     folder = model_folder(args.out, "llama8b-shape", big, args.tokenizer_dir)
     if "c" not in skip:
-        report["llama8b_offline"] = offline(args, folder, cs, reqs, p_len, o_len)
+        report["llama8b_offline"] = offline(args, folder, cs, reqs, p_len, o_len, profile_rows=cs[:2])
         print(json.dumps(report["llama8b_offline"]), flush=True)
+        if fp8:
+            report["llama8b_fp8_offline"] = offline(args, folder, cs, reqs, p_len, o_len, quantization="fp8",
+                                                    profile_rows=cs[:2])
+            print(json.dumps(report["llama8b_fp8_offline"]), flush=True)
         # The overlap loop's worth: the same closed loops at c1 and c32 with it off.
         report["llama8b_offline_sync"] = offline(args, folder, cs[:2], reqs[:2], p_len, o_len,
                                                  async_scheduling=False)
         print(json.dumps(report["llama8b_offline_sync"]), flush=True)
         report["llama8b_served"] = served(args, folder, cs, reqs, p_len, o_len, args.out, "llama8b")
         print(json.dumps(report["llama8b_served"]), flush=True)
+        if fp8:
+            report["llama8b_fp8_served"] = served(args, folder, cs, reqs, p_len, o_len, args.out, "llama8b-fp8",
+                                                  ("--quantization", "fp8"))
+            print(json.dumps(report["llama8b_fp8_served"]), flush=True)
     if "d" not in skip and not args.quick:
         report["transformers_cb"] = [transformers_cb(args, folder, c, n, p_len, o_len)
                                      for c, n in ((1, 2), (32, 32))]
@@ -266,17 +320,22 @@ def main() -> int:
 
 def print_table(report: dict) -> None:
     print("\n| what | concurrency | output tok/s | TTFT p50 | TPOT p50 |\n|---|---|---|---|---|")
-    for key in ("smollm2_served", "llama8b_served"):
+    for key in ("smollm2_served", "llama8b_served", "llama8b_fp8_served"):
         for r in report.get(key, []):
             if "error" in r:
                 print(f"| {key} | {r['concurrency']} | error | | |")
                 continue
             print(f"| {key} | {r['concurrency']} | {r['output_tok_per_s']:.1f} | {r['ttft_p50_s'] or 0:.3f} s | "
                   f"{1e3 * (r['tpot_p50_s'] or 0):.2f} ms |")
-    for key in ("llama8b_offline", "llama8b_offline_sync"):
+    for key in ("llama8b_offline", "llama8b_fp8_offline", "llama8b_offline_sync"):
         for c, r in report.get(key, {}).items():
-            if c != "plan":
+            if c != "plan" and not str(c).startswith("profile"):
                 print(f"| {key} | {c} | {r['output_tok_per_s']:.1f} | | |")
+    print("\n| decode step | rows | step ms | GPU kernels ms | gaps ms |\n|---|---|---|---|---|")
+    for key in ("llama8b_offline", "llama8b_fp8_offline"):
+        for c, r in report.get(key, {}).items():
+            if str(c).startswith("profile"):
+                print(f"| {key} | {r['rows']} | {r['step_ms']:.2f} | {r['gpu_kernels_ms']:.2f} | {r['gaps_ms']:.2f} |")
     for r in report.get("transformers_cb", []):
         print(f"| transformers_cb | {r['concurrency']} | {r['output_tok_per_s']:.1f} | | |")
     if "correctness" in report:

@@ -1,9 +1,16 @@
 """Does a speed trick change outputs? Greedy agreement with float32 and perplexity on
 held-out text, for float32, bfloat16, int8 weights, w8a8 (int8 weights and activations), w4a8
 and gguf (the file's own quantized blocks) of the same model,
-and bfloat16 and w8a8 with the int8 KV cache (`kv_cache_dtype="int8"`).
+and bfloat16 and w8a8 with the int8 KV cache (`kv_cache_dtype="int8"`); on the CUDA backend,
+FP8 weights (`quantization="fp8"`) and the FP8 KV cache (`kv_cache_dtype="fp8"`).
 
     python benchmarks/quality.py [--json benchmarks/results/quality.json]
+    python benchmarks/quality.py --variants bfloat16,fp8,bf16+kvfp8,fp8+kvfp8   # FP8 rows
+
+The FP8 variants run the CUDA backend: on a GPU, or without one on CPU tensors under
+Triton's interpreter (set here; slow, minutes a variant), whose products are float32's
+where a GPU's tensor cores multiply bf16 inputs exactly and sum in float32 too: the
+same quantization error, measured without a GPU.
 
 Agreement: 32 greedy tokens on the test prompts (plain and chat), compared with float32:
 identical sequences, and mean length of the common prefix; the same on 32 more prompts
@@ -20,9 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
+
+if not torch.cuda.is_available():  # the CUDA backend's kernels on CPU tensors (FP8 variants)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sluice import LLM, SamplingParams
 from sluice.bench.workload import make_prompts
@@ -75,6 +86,19 @@ def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None) ->
     return row
 
 
+def device_for(device: str) -> str:
+    """The device a variant runs on: the CPU's variants on cpu; the CUDA backend's on the
+    GPU, or without one on the CPU's tensors under the interpreter (the CUDA family then
+    stands in for the CPU one in this process until a CPU variant comes)."""
+    from sluice.backends import select
+    cuda = device == "cuda"
+    if cuda and torch.cuda.is_available():
+        return "cuda"
+    select.FAMILIES["cpu"] = (("sluice.backends.cuda.backend", "CudaBackend") if cuda
+                              else ("sluice.backends.cpu.backend", "CpuBackend"))
+    return "cpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -93,12 +117,16 @@ def main() -> None:
                 "gguf": dict(dtype="bfloat16", quantization="gguf"),
                 "bf16+kv8": dict(dtype="bfloat16", quantization=None, kv_cache_dtype="int8"),
                 "w8a8+kv8": dict(dtype="bfloat16", quantization="w8a8", kv_cache_dtype="int8"),
-                "w4a8+kv8": dict(dtype="bfloat16", quantization="w4a8", kv_cache_dtype="int8")}
+                "w4a8+kv8": dict(dtype="bfloat16", quantization="w4a8", kv_cache_dtype="int8"),
+                "fp8": dict(dtype="bfloat16", quantization="fp8", device="cuda"),
+                "bf16+kvfp8": dict(dtype="bfloat16", quantization=None, kv_cache_dtype="fp8", device="cuda"),
+                "fp8+kvfp8": dict(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", device="cuda")}
     variants = {k: v for k, v in variants.items() if k == "float32" or k in args.variants.split(",")}
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     tokens, extra_tokens, rows = {}, {}, {}
     reference = None  # the float32 model, kept to score each window beside the variant
     for name, kwargs in variants.items():
+        kwargs = {**kwargs, "device": device_for(kwargs.get("device", "cpu"))}
         llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False, cpu_isa=args.cpu_isa, **kwargs)
         prompts = PROMPTS + [llm.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

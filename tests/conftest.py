@@ -19,6 +19,16 @@ from sluice.models.loader import resolve_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+
+@pytest.fixture(autouse=True, scope="session")
+def cpu_unless_named():
+    """device='auto' (the default) means cpu in the suite even on a machine with a GPU:
+    the tests of the CUDA backend name their device, every other test is about the CPU's."""
+    from sluice.backends import select
+    saved, select.auto_device = select.auto_device, lambda: "cpu"
+    yield
+    select.auto_device = saved
+
 # What a test may need from this machine, checked in one place: mark it
 # `@pytest.mark.requires("kernels")` and it skips, saying why, where that is missing.
 FEATURES = {

@@ -24,7 +24,8 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     # "auto": what the device's backend computes fastest (backends/select.py), or a name.
     dtype: str = "auto"
-    device: str = "cpu"
+    # "auto": cuda where torch sees a GPU, else cpu (backends/select.py); or a torch device.
+    device: str = "auto"
     # None: the model's own context length.
     max_model_len: int | None = None
     seed: int = 0

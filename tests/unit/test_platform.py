@@ -395,3 +395,25 @@ def test_auto_quantization_runs_a_q4_1_gguf_in_its_own_form(kernel_isa, tiny_che
     cfg = EngineConfig.from_kwargs(cpu_isa=kernel_isa, quantization="w4a8")
     with pytest.raises(ValueError, match="failed to build"):
         select.select(cfg.model, cfg.cache, log=False)
+
+
+def test_device_auto_is_cuda_where_torch_sees_a_gpu(monkeypatch):
+    """device='auto' (the default, and `sluice serve`'s): cuda where torch sees a GPU, else
+    cpu; the backend line then says which family runs. (The suite pins auto to cpu:
+    tests/conftest.py; this checks the machine's own answer.)"""
+    from sluice.backends import select
+    from sluice.config import EngineConfig
+    monkeypatch.setattr(select, "auto_device", AUTO_DEVICE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select.auto_device() == "cuda"
+    assert select.family("auto").family == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select.auto_device() == "cpu"
+    config = EngineConfig.from_kwargs()
+    assert config.model.device == "cpu" and select.family(config.model.device).family == "cpu"
+    with pytest.raises(ValueError, match="is not a torch device"):
+        select.family("tpu:0")
+
+
+# The function itself, taken before the suite's session fixture pins device='auto' to cpu.
+AUTO_DEVICE = __import__("sluice.backends.select", fromlist=["auto_device"]).auto_device

@@ -22,7 +22,7 @@ E4M3_MAX = 448.0
 
 def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> (e4m3 [..., D], float32 scales [...]): backends/cuda/fp8's rounding."""
-    from sluice.backends.cuda.fp8 import quantize_rows_reference
+    from sluice.quantization.fp8 import quantize_rows_reference
     return quantize_rows_reference(x)
 
 

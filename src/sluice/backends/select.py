@@ -30,9 +30,20 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def auto_device() -> str:
+    """What device='auto' means here: cuda where torch sees a GPU, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def family(device: str):
-    """The Backend class of a device ("cpu", "cuda", "cuda:1"); ValueError for another."""
-    kind = torch.device(device).type
+    """The Backend class of a device ("cpu", "cuda", "cuda:1", "auto"); ValueError for another."""
+    if device == "auto":
+        device = auto_device()
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a torch device; sluice runs on auto, {', '.join(FAMILIES)}") \
+            from None
     if kind not in FAMILIES:
         raise ValueError(f"device={device!r}: sluice runs on {', '.join(FAMILIES)}")
     module, name = FAMILIES[kind]
@@ -65,6 +76,8 @@ def check_config(config) -> None:
     """The device's refusals for these settings, and its defaults (the step budget), before
     anything loads; builds no kernel."""
     m, c, s = config.model, config.cache, config.scheduler
+    if m.device == "auto":
+        m.device = auto_device()
     cls = family(m.device)
     if s.max_num_batched_tokens is None:
         s.max_num_batched_tokens = cls.default_max_num_batched_tokens

@@ -21,7 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype; auto = bfloat16 where sluice's kernels run "
                         "(AVX2 or AVX-512 CPUs) and on GPUs, else float32")
-    g.add_argument("--device", default="cpu", help="torch device: cpu, or cuda (cuda:N) for the CUDA backend")
+    g.add_argument("--device", default="auto",
+                   help="auto (default): cuda where torch sees a GPU, else cpu; or a torch device: cpu, cuda, cuda:N "
+                        "(the startup's backend line says which runs)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the fraction of the GPU's memory the engine may use; the KV cache takes what the "
                         "weights and a step's activations leave of it (default 0.9; --num-blocks overrides)")

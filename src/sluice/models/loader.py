@@ -333,7 +333,7 @@ def _fp8_weight(key: str, q: torch.Tensor, scales: dict[str, torch.Tensor], dtyp
     """An e4m3 weight [N, K] and its scale (one per tensor or per output channel) as the
     values q * scale in `dtype`, carrying the checkpoint's own form as `tensor.fp8`
     (e4m3 [N, K], float32 scale per row) for quantization='fp8'."""
-    from sluice.backends.cuda.fp8 import check_scales
+    from sluice.quantization.fp8 import check_scales
     name = key.removesuffix(".weight") + ".weight_scale"
     if name not in scales:
         raise ValueError(f"{key}: an FP8 weight without its {name}")

@@ -25,6 +25,29 @@ from torch import nn
 from sluice.models.linear import Linear
 from sluice.quantization.base import QuantizationScheme
 
+E4M3_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+# A group whose values are all zero gets this absolute maximum (its q are 0, its scale tiny).
+TINY = 1e-12
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 per row (a weight's output channel at load; the kernels' reference for a token's
+    activations or K/V): scale = max|x| / 448 and q = e4m3(x * (448 / max|x|)), rounded half
+    to even and saturating at +-448, as backends/cuda/fp8.e4m3_round rounds in a kernel."""
+    xf = x.float()
+    top = xf.abs().amax(-1, keepdim=True).clamp(min=TINY)
+    # 448 / top as one division (a Python number over a tensor is a reciprocal times the
+    # number in torch: another rounding), as the kernel computes it.
+    q = (xf * (torch.full_like(top, E4M3_MAX) / top)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q, (top / E4M3_MAX).squeeze(-1)
+
+
+def check_scales(scale: torch.Tensor, what: str) -> None:
+    """FP8 scales must be finite and > 0 (a checkpoint's, or ours)."""
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise ValueError(f"{what}: FP8 scales must be finite and > 0")
+
 
 def fp8_layers(model) -> list[tuple[str, Linear]]:
     """The layers the scheme quantizes: every Linear but the LM head and routers."""
@@ -43,7 +66,6 @@ class Fp8(QuantizationScheme):
     def quantize_rows(self, module: Linear, start: int = 0, rows: int | None = None) -> None:
         """Quantize rows [start, start + rows) of the layer (all by default) from its weight,
         or from the checkpoint's own FP8 values where it carried them."""
-        from sluice.backends.cuda.fp8 import FP8
         w = module.weight
         n, k = w.shape
         rows = n - start if rows is None else rows
@@ -65,7 +87,6 @@ class Fp8(QuantizationScheme):
         module.source_fp8 = None
 
     def _write(self, module: Linear, start: int, values: torch.Tensor) -> None:
-        from sluice.backends.cuda.fp8 import quantize_rows_reference
         q, scale = quantize_rows_reference(values)
         module.fp8_weight[start:start + values.shape[0]] = q
         module.fp8_scale[start:start + values.shape[0]] = scale

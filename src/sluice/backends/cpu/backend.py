@@ -68,7 +68,8 @@ def _modes(quantization, kv_cache_dtype, deterministic) -> list[tuple[str, str]]
         out.append(("deterministic mode", "the default (non-deterministic) mode"))
     scheme = quant.get(quantization)
     if scheme is not None and scheme.needs_kernels:
-        torch_ok = "".join(f"quantization={s.name!r}, " for s in quant.SCHEMES.values() if not s.needs_kernels)
+        torch_ok = "".join(f"quantization={s.name!r}, " for s in quant.SCHEMES.values()
+                           if not s.needs_kernels and "cpu" in s.families)
         out.append((f"quantization={quantization!r}", f"{torch_ok}or none"))
     if kv_cache_dtype == "int8":
         out.append(("kv_cache_dtype='int8'", "kv_cache_dtype='auto'"))

@@ -193,6 +193,13 @@ class CudaBackend(Backend):
             import triton  # noqa: F401
         except ImportError as e:
             raise ValueError(f"device={model_config.device!r} needs triton ({e}); pip install triton") from e
+        fp8 = [mode for mode, on in (("quantization='fp8'", model_config.quantization == "fp8"),
+                                     ("kv_cache_dtype='fp8'", cache_config.kv_cache_dtype == "fp8")) if on]
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ValueError(f"{' and '.join(fp8)} need FP8 arithmetic (compute capability 8.9+: Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: what works there is bf16 "
+                             f"(quantization=None, kv_cache_dtype='auto')")
         dtype = cls.auto_dtype_for(model_config.device) if dtype is None else dtype
         graphs = device.type == "cuda" and not model_config.enforce_eager
         return cls(device=device, dtype=dtype, kv_cache_dtype=cache_config.kv_cache_dtype, deterministic=False,

@@ -27,11 +27,7 @@ import triton
 import triton.language as tl
 
 from sluice.backends.cuda.gemv import GemvChoice, gemv
-
-E4M3_MAX = 448.0
-FP8 = torch.float8_e4m3fn
-# A group whose values are all zero gets this absolute maximum (its q are 0, its scale tiny).
-TINY = 1e-12
+from sluice.quantization.fp8 import E4M3_MAX, FP8, check_scales, quantize_rows_reference  # noqa: F401
 
 
 @triton.jit
@@ -73,23 +69,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)))
     return q, s
-
-
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same quantization in torch (weights at load; the tests' reference): per row,
-    scale = max|x| / 448 and q = e4m3(x * (448 / max|x|)), saturating at +-448."""
-    xf = x.float()
-    top = xf.abs().amax(-1, keepdim=True).clamp(min=TINY)
-    # 448 / top as one division (a Python number over a tensor is a reciprocal times the
-    # number in torch: another rounding), as the kernel computes it.
-    q = (xf * (torch.full_like(top, E4M3_MAX) / top)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
-    return q, (top / E4M3_MAX).squeeze(-1)
-
-
-def check_scales(scale: torch.Tensor, what: str) -> None:
-    """FP8 scales must be finite and > 0 (a checkpoint's, or ours)."""
-    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        raise ValueError(f"{what}: FP8 scales must be finite and > 0")
 
 
 @dataclass

@@ -61,6 +61,8 @@ def _gemv_kernel(X, W, Scale, Bias, Out, Part, M, N, K, k_per_split,
                  stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    # SPLIT: whether K is split (partial sums to Part), not how many ways: one compile for
+    # every split count.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -81,7 +83,7 @@ def _gemv_kernel(X, W, Scale, Bias, Out, Part, M, N, K, k_per_split,
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if SPLIT == 1:
+    if not SPLIT:
         if HAS_SCALE:
             acc = acc * tl.load(Scale + n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
@@ -157,7 +159,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     _gemv_kernel[grid](x, weight, scale if scale is not None else out, bias if bias is not None else out, out, part,
                        m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
                        part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0,
-                       BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
+                       BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, IEEE=ieee,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
