@@ -66,7 +66,7 @@ def window_logprobs(llm: LLM, windows: list[list[int]]):
         yield torch.log_softmax(engine.runner.model.compute_logits(hidden[:len(ids) - 1]).float(), dim=-1)
 
 
-def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None) -> dict:
+def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None, ref_name: str = "float32") -> dict:
     """Perplexity, and against the reference model's (float32's) log-probabilities, computed
     window by window alongside, top-1 agreement and mean KL(reference || this)."""
     nll, count, top1, kl = 0.0, 0, 0, 0.0
@@ -82,7 +82,7 @@ def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None) ->
     row = {"perplexity": math.exp(nll / count)}
     if reference is not None:
         row["teacher_forced_top1_agreement"] = top1 / count
-        row["mean_kl_from_float32"] = kl / count
+        row[f"mean_kl_from_{ref_name}"] = kl / count
     return row
 
 
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--variants", default="bfloat16,int8,w8a8,w4a8,bf16+kv8,w8a8+kv8,w4a8+kv8",
                     help="compared with float32 (+kv8: the int8 KV cache)")
     ap.add_argument("--cpu-isa", default="auto", help="kernel build for the variants (float32 runs torch's ops)")
+    ap.add_argument("--reference", default="float32",
+                    help="the variant the others are compared with (float32, or e.g. bfloat16: FP8 against bf16)")
     args = ap.parse_args()
     # bfloat16 rows say quantization=None: the automatic choice would quantize a GGUF.
     variants = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16", quantization=None),
@@ -121,10 +123,14 @@ def main() -> None:
                 "fp8": dict(dtype="bfloat16", quantization="fp8", device="cuda"),
                 "bf16+kvfp8": dict(dtype="bfloat16", quantization=None, kv_cache_dtype="fp8", device="cuda"),
                 "fp8+kvfp8": dict(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", device="cuda")}
-    variants = {k: v for k, v in variants.items() if k == "float32" or k in args.variants.split(",")}
+    if args.reference not in variants:
+        raise SystemExit(f"--reference must be one of {', '.join(variants)}")
+    variants = {args.reference: variants[args.reference],
+                **{k: v for k, v in variants.items() if k in args.variants.split(",") and k != args.reference}}
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     tokens, extra_tokens, rows = {}, {}, {}
-    reference = None  # the float32 model, kept to score each window beside the variant
+    reference = None  # the reference model (float32's by default), kept to score each window beside the variant
+    ref = args.reference
     for name, kwargs in variants.items():
         kwargs = {**kwargs, "device": device_for(kwargs.get("device", "cpu"))}
         llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False, cpu_isa=args.cpu_isa, **kwargs)
@@ -133,15 +139,15 @@ def main() -> None:
         extra = make_prompts(llm.tokenizer, args.corpus_prompts, 20, 200, seed=7)
         extra_tokens[name] = [o.outputs[0].token_ids for o in llm.generate(extra, params)]
         windows = make_prompts(llm.tokenizer, args.windows, 512, 512, seed=123)
-        rows[name] = window_metrics(llm, windows, reference)
-        if reference is None:  # float32 comes first
+        rows[name] = window_metrics(llm, windows, reference, ref)
+        if reference is None:  # the reference comes first
             reference = llm
     for name, row in rows.items():
         for label, got in (("", tokens), ("corpus_", extra_tokens)):
-            same = [a == b for a, b in zip(got[name], got["float32"])]
+            same = [a == b for a, b in zip(got[name], got[ref])]
             prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                      for a, b in zip(got[name], got["float32"])]
-            row[f"{label}identical_to_float32"] = f"{sum(same)}/{len(same)}"
+                      for a, b in zip(got[name], got[ref])]
+            row[f"{label}identical_to_{ref}"] = f"{sum(same)}/{len(same)}"
             row[f"{label}mean_common_prefix_tokens"] = sum(prefix) / len(prefix)
         print(json.dumps({"variant": name, **row}), flush=True)
     if args.json:

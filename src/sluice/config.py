@@ -294,8 +294,8 @@ class EngineConfig:
                 raise ValueError("kv_offload_dtype='int8' changes a reloaded block's bits, which deterministic mode "
                                  "promises to keep: use 'exact' (or 'auto')")
             if c.kv_offload_dtype == "int8" and c.kv_cache_dtype != "auto":
-                raise ValueError(f"kv_offload_dtype='int8' compresses a bf16/float16/float32 cache; a "
-                                 f"kv_cache_dtype={c.kv_cache_dtype!r} cache is offloaded as it is ('exact' or 'auto')")
+                raise ValueError(f"kv_offload_dtype='int8' compresses a bf16/float16/float32 cache; an "
+                                 f"{c.kv_cache_dtype} KV cache is offloaded as it is ('exact' or 'auto')")
             if self.parallel.tensor_parallel_size > 1:
                 raise ValueError("KV offloading runs in one process: not with tensor_parallel_size > 1")
         if self.model.quantization != "auto":

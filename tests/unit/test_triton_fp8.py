@@ -222,3 +222,35 @@ def test_split_k_decode_over_an_fp8_cache(splits, window):
     split_len = -(-max(c + 1 for c, _ in chunks) // splits)
     got = ta.decode_attention(q, k8, v8, bt, sl, splits, split_len, 32 ** -0.5, window=window)
     assert (got.double().cpu() - want).abs().max() < 1e-4
+
+
+def test_calibration_keeps_the_gemv_only_where_it_was_faster():
+    """The backend runs the GEMV at a row count only where it timed faster than the other
+    path on the layer's shape (here a given timer: the GEMV with 64 columns a program wins
+    at 1 and 2 rows); the layer methods then take the chosen path and compute the same."""
+    from sluice.backends.cuda.fp8 import GemvLinear
+    from sluice.backends.cuda.gemv import calibrate, candidates, row_bucket
+
+    def timer(fn, rows, cfg):
+        fn()  # each candidate really runs
+        if cfg is None:
+            return 10.0
+        return 5.0 + cfg.split if rows <= 2 and cfg.block_n == 64 else 20.0
+
+    torch.manual_seed(5)
+    w = torch.randn(48, 512, device=DEVICE)
+    choice = calibrate(w, None, lambda x: torch.nn.functional.linear(x, w), torch.float32, timer=timer)
+    assert sorted(choice.configs) == [1, 2] and all(c.block_n == 64 for c in choice.configs.values())
+    # The fastest of the winners: the fewest splits the candidates offered at 64 columns.
+    assert choice.configs[1].split == min(c.split for c in candidates(48, 512, torch.float32, 132) if c.block_n == 64)
+    assert choice.times[8] == (20.0, 10.0)
+    assert choice.pick(1) is choice.configs[1] and choice.pick(2) is choice.configs[2]
+    assert choice.pick(3) is None and choice.pick(9) is None and row_bucket(3) == 4
+    layer = GemvLinear(w, choice)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 512, device=DEVICE)
+        want = x.double().cpu() @ w.double().cpu().T
+        assert (layer(x).double().cpu() - want).abs().max() < 1e-3
+    q, s = fp8.quantize_rows_reference(w.cpu())
+    fp8_layer = fp8.Fp8Linear(q.to(DEVICE), s.to(DEVICE), choice)
+    assert fp8_layer.gemv_config(1) is choice.configs[1] and fp8_layer.gemv_config(4) is None

@@ -62,8 +62,8 @@ class OffloadStore:
         self.device = k.device
         self.cache_dtype = k.dtype
         self.heads, _, self.block_size, self.row = k.shape
-        if compress and not k.dtype.is_floating_point:
-            raise ValueError("int8 offload compresses a floating-point KV cache; an int8 cache is kept exact")
+        if compress and k.dtype.itemsize == 1:
+            raise ValueError("int8 offload compresses a 16- or 32-bit KV cache; an int8 or FP8 cache is kept exact")
         self.compress = compress
         self.block_bytes = offload_block_bytes(kv_tensors, compress)
         self.host = torch.empty((host_blocks, self.block_bytes), dtype=torch.uint8,
@@ -112,8 +112,12 @@ class OffloadStore:
             values = data.view(self.cache_dtype).view(n, len(self.kv), 2, self.heads, self.block_size, self.row)
         values = values.permute(1, 2, 3, 0, 4, 5)  # [slots, 2, heads, n, block_size, row]
         for j, (k, v) in enumerate(self.kv):
-            k.index_copy_(1, block_ids, values[j, 0])
-            v.index_copy_(1, block_ids, values[j, 1])
+            if k.dtype.itemsize == 1:  # int8 and FP8 caches: their bytes (torch has no fp8 index_copy_)
+                k, v, vals = k.view(torch.uint8), v.view(torch.uint8), values[j].view(torch.uint8)
+            else:
+                vals = values[j]
+            k.index_copy_(1, block_ids, vals[0])
+            v.index_copy_(1, block_ids, vals[1])
 
     # -- the transfers ------------------------------------------------------------------
     def execute(self, transfers: list[tuple[str, int, int, bytes]],

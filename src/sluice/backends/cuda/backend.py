@@ -263,22 +263,33 @@ class CudaBackend(Backend):
             model.head = model.lm_head
 
     def _calibrated(self, module, choices: dict):
-        """The GEMV's measured choice for this layer's shape (one measurement a shape)."""
-        from sluice.backends.cuda.gemv import calibrate
+        """The GEMV's measured choice for this layer's shape (one measurement a shape); where
+        the measurement itself fails, no GEMV for the shape (cuBLAS is always right)."""
+        from sluice.backends.cuda.gemv import GemvChoice
         fp8 = getattr(module, "fp8_weight", None) is not None
         weight = module.fp8_weight if fp8 else module.weight
         key = (tuple(weight.shape), fp8)
         if key not in choices:
-            if fp8:
-                other = lambda x: module.method(x)  # noqa: E731 (its _scaled_mm path: no choice set yet)
-                saved, module.method.gemv_max_rows = module.method.gemv_max_rows, 0
-                try:
-                    choices[key] = calibrate(weight, module.fp8_scale, other, self.dtype)
-                finally:
-                    module.method.gemv_max_rows = saved
-            else:
-                choices[key] = calibrate(weight, None, lambda x: torch.nn.functional.linear(x, weight), self.dtype)
+            try:
+                choices[key] = self._measure(module, weight, fp8)
+            except Exception as e:
+                logger.warning("GEMV calibration on %s %s failed (%s: %s); cuBLAS runs it", tuple(weight.shape),
+                               "fp8" if fp8 else "bf16", type(e).__name__, e)
+                choices[key] = GemvChoice({}, {})
         return choices[key]
+
+    def _measure(self, module, weight, fp8: bool):
+        """The GEMV against what the layer runs otherwise: cuBLAS, or for FP8 its
+        _scaled_mm path (the GEMV turned off while it is timed)."""
+        from sluice.backends.cuda.gemv import calibrate
+        if not fp8:
+            return calibrate(weight, None, lambda x: torch.nn.functional.linear(x, weight), self.dtype)
+        method = module.method
+        saved, method.gemv_max_rows = method.gemv_max_rows, 0
+        try:
+            return calibrate(weight, module.fp8_scale, method, self.dtype)
+        finally:
+            method.gemv_max_rows = saved
 
     @staticmethod
     def _log_gemv(choices: dict) -> None:

@@ -191,12 +191,19 @@ class GemvChoice:
         return None if b is None else self.configs.get(b)
 
 
-def _time_us(fn, reps: int = 25) -> float:
-    """Median microseconds of fn() on the current CUDA stream (CUDA events)."""
+def time_us(fn, rows: int, cfg: GemvConfig | None, reps: int = 25) -> float:
+    """Median microseconds of fn() (the GEMV with `cfg` at `rows` rows, or the other path
+    for cfg None): CUDA events on the current stream on a GPU."""
+    import time
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -207,20 +214,23 @@ def _time_us(fn, reps: int = 25) -> float:
 
 
 @torch.no_grad()
-def calibrate(weight: torch.Tensor, scale: torch.Tensor | None, other, act_dtype: torch.dtype) -> GemvChoice:
+def calibrate(weight: torch.Tensor, scale: torch.Tensor | None, other, act_dtype: torch.dtype,
+              timer=time_us) -> GemvChoice:
     """On the GPU: for each row bucket, the fastest GEMV configuration against `other(x)`
     (cuBLAS's product for the same layer), kept only where it wins. The weight's own
-    tensors are used (a layer of an 8B model is tens of MB: far past L2, as in a step)."""
+    tensors are used (a layer of an 8B model is tens of MB: far past L2, as in a step).
+    timer(fn, rows, cfg) -> µs (the tests give their own)."""
     n, k = weight.shape
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    sms = (torch.cuda.get_device_properties(weight.device).multi_processor_count if weight.device.type == "cuda"
+           else 132)
     configs, times = {}, {}
     for rows in ROW_BUCKETS:
         x = torch.randn((rows, k), dtype=act_dtype, device=weight.device)
-        base = _time_us(lambda: other(x))
+        base = timer(lambda: other(x), rows, None)
         best, best_t = None, float("inf")
         for cfg in candidates(n, k, weight.dtype, sms):
             try:
-                t = _time_us(lambda: gemv(x, weight, scale, None, cfg))
+                t = timer(lambda: gemv(x, weight, scale, None, cfg), rows, cfg)
             except Exception as e:  # a configuration this GPU cannot compile: not a candidate
                 logger.debug("gemv %s on %dx%d: %s", cfg.describe(), n, k, e)
                 continue
