@@ -256,18 +256,6 @@ def test_fp8_modes_are_refused_where_they_cannot_run():
 def test_an_fp8_cache_is_offloaded_as_it_is(tiny_checkpoint, cuda_family):
     """The FP8 cache's blocks (scales and e4m3 rows) go to the host tier as bytes and come
     back bit-exact; 'int8' offloading is refused for it."""
-    from tests.model.test_kv_offload import LLM as OffloadLLM
-    from tests.model.test_kv_offload import history_then_traffic, reloaded_keys, snapshot
-    path = str(tiny_checkpoint("llama"))
-    common = dict(model=path, dtype="float32", device=cuda_family, kv_cache_dtype="fp8", num_blocks=24,
-                  kv_offload_memory=0.01, speculative_method=None)
-    llm = OffloadLLM(**common)
-    assert not llm.engine.offload_store.compress
-    prompt, first, before = history_then_traffic(llm)
-    again = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
-    assert again.num_cached_tokens == 112 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    after = snapshot(llm)
-    keys = reloaded_keys(llm, before)
-    assert len(keys) >= 7 and all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in keys)
-    with pytest.raises(ValueError, match="an fp8 KV cache is offloaded as it is"):
-        OffloadLLM(**common, kv_offload_dtype="int8")
+    from tests.model.test_kv_offload import assert_offloaded_as_it_is
+    assert_offloaded_as_it_is(model=str(tiny_checkpoint("llama")), dtype="float32", device=cuda_family,
+                              kv_cache_dtype="fp8", speculative_method=None)

@@ -83,22 +83,24 @@ def test_evicted_blocks_come_back_from_the_host_tier_bit_exact(tiny_checkpoint, 
     assert control.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].num_cached_tokens == 0
 
 
-def test_an_int8_cache_is_offloaded_as_it_is(tiny_checkpoint, best_kernel_isa):
-    """An int8 KV cache's bytes go to the tier unchanged ('auto' does not compress them
-    again, and 'int8' is refused for it): its blocks come back bit-exact."""
-    path = str(tiny_checkpoint("llama"))
-    llm = LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", cpu_isa=best_kernel_isa, num_blocks=24,
-              kv_offload_memory=0.01)
+def assert_offloaded_as_it_is(**settings) -> None:
+    """A one-byte cache (int8, FP8) goes to the tier as its bytes ('auto' does not compress
+    it again, and 'int8' is refused for it): its blocks come back bit-exact."""
+    llm = LLM(**settings, num_blocks=24, kv_offload_memory=0.01)
     assert not llm.engine.offload_store.compress
     prompt, first, before = history_then_traffic(llm)
     again = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
     assert again.num_cached_tokens == 112 and again.outputs[0].token_ids == first.outputs[0].token_ids
     after = snapshot(llm)
     keys = reloaded_keys(llm, before)
-    assert len(keys) >= 7 and all(torch.equal(before[k], after[k]) for k in keys)
-    with pytest.raises(ValueError, match="int8 KV cache"):
-        LLM(model=path, dtype="bfloat16", kv_cache_dtype="int8", cpu_isa=best_kernel_isa, num_blocks=24,
-            kv_offload_memory=0.01, kv_offload_dtype="int8")
+    assert len(keys) >= 7 and all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in keys)
+    with pytest.raises(ValueError, match=f"an {settings['kv_cache_dtype']} KV cache is offloaded as it is"):
+        LLM(**settings, num_blocks=24, kv_offload_memory=0.01, kv_offload_dtype="int8")
+
+
+def test_an_int8_cache_is_offloaded_as_it_is(tiny_checkpoint, best_kernel_isa):
+    assert_offloaded_as_it_is(model=str(tiny_checkpoint("llama")), dtype="bfloat16", kv_cache_dtype="int8",
+                              cpu_isa=best_kernel_isa)
 
 
 def test_a_released_sessions_blocks_are_offloaded_with_caching_off(tiny_checkpoint):
