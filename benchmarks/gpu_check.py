@@ -4,7 +4,8 @@ random weights (nothing downloaded; speed does not depend on the values), beside
 transformers' own continuous batching on the same GPU, printed as one table and written as
 JSON.
 
-  (a) the Triton kernel tests on the GPU (compiled, not interpreted: attention, FP8, GEMV),
+  (a) the Triton kernel tests and the CUDA backend's engine tests on the GPU (compiled, not
+      interpreted: attention, FP8, the GEMV; FP8 weights, cache and checkpoints, offloading),
       and the engine's greedy tokens on the GPU against the CPU engine's on the same
       float32 checkpoint;
   (b) a SmolLM2-135M-shaped model (the default model's shape), served: c1 / c32 / c128;
@@ -75,7 +76,11 @@ def check_correctness(args, out: Path) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     res = run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
                str(ROOT / "tests" / "unit" / "test_triton_kernels.py"),
-               str(ROOT / "tests" / "unit" / "test_triton_fp8.py")], 600, env=env, cwd=ROOT)
+               str(ROOT / "tests" / "unit" / "test_triton_fp8.py"),
+               # The engine on the GPU: FP8 weights and cache, an FP8 checkpoint, offloading
+               # over pinned memory, graphs, the overlap loop (the tiny model).
+               str(ROOT / "tests" / "model" / "test_cuda_backend.py"),
+               "--tokenizer-dir", str(args.tokenizer_dir.resolve())], 600, env=env, cwd=ROOT)
     tail = (res.stdout + res.stderr).strip().splitlines()[-1:] or ["(no output)"]
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -89,6 +89,9 @@ def isa_kernels(kernel_isa):
 def pytest_addoption(parser):
     parser.addoption("--kernel-isa", choices=KERNEL_ISAS or None, default=None,
                      help="run the per-build kernel tests for this build only (default: every build this CPU runs)")
+    parser.addoption("--tokenizer-dir", default=None,
+                     help="a folder with SmolLM2's tokenizer files, for the tiny checkpoints where the default "
+                          "model's package is not installed (the GPU check's machine)")
 
 
 def pytest_configure(config):
@@ -117,10 +120,15 @@ def smollm2_source():
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(smollm2_source):
-    """SmolLM2's tokenizer (built by transformers from the GGUF); tiny checkpoints reuse it."""
+def hf_tokenizer(request):
+    """SmolLM2's tokenizer (built by transformers from the GGUF, or read from
+    --tokenizer-dir); tiny checkpoints reuse it."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(smollm2_source.folder), gguf_file=smollm2_source.path.name)
+    folder = request.config.getoption("--tokenizer-dir")
+    if folder:
+        return AutoTokenizer.from_pretrained(folder)
+    source = request.getfixturevalue("smollm2_source")
+    return AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
 
 
 TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
