@@ -7,10 +7,15 @@ FP8 weights (`quantization="fp8"`) and the FP8 KV cache (`kv_cache_dtype="fp8"`)
     python benchmarks/quality.py [--json benchmarks/results/quality.json]
     python benchmarks/quality.py --variants bfloat16,fp8,bf16+kvfp8,fp8+kvfp8   # FP8 rows
 
-The FP8 variants run the CUDA backend: on a GPU, or without one on CPU tensors under
-Triton's interpreter (set here; slow, minutes a variant), whose products are float32's
-where a GPU's tensor cores multiply bf16 inputs exactly and sum in float32 too: the
-same quantization error, measured without a GPU.
+The FP8 variants run the CUDA backend on a GPU. Without one they are emulated in torch on
+the CPU (`emulate_fp8`): the CUDA backend's roundings, not its kernels (the kernels run
+the same roundings, checked against these torch functions in tests/unit/test_triton_fp8.py;
+under Triton's interpreter a variant would take hours here): e4m3 weights with their
+scale per output channel; activations rounded to e4m3 per token where a step has more
+than 8 rows (the _scaled_mm path; the GEMV's few rows keep bf16 activations); K and V
+rounded to e4m3 per token and head as the cache write does. Products in float32, the
+scale applied after the sum; one extra bf16 rounding of each dequantized K/V value
+(2^-9 relative, against e4m3's 2^-4).
 
 Agreement: 32 greedy tokens on the test prompts (plain and chat), compared with float32:
 identical sequences, and mean length of the common prefix; the same on 32 more prompts
@@ -27,13 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
-
-if not torch.cuda.is_available():  # the CUDA backend's kernels on CPU tensors (FP8 variants)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch.nn.functional as F
 
 from sluice import LLM, SamplingParams
 from sluice.bench.workload import make_prompts
@@ -86,17 +88,46 @@ def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None, re
     return row
 
 
-def device_for(device: str) -> str:
-    """The device a variant runs on: the CPU's variants on cpu; the CUDA backend's on the
-    GPU, or without one on the CPU's tensors under the interpreter (the CUDA family then
-    stands in for the CPU one in this process until a CPU variant comes)."""
-    from sluice.backends import select
-    cuda = device == "cuda"
-    if cuda and torch.cuda.is_available():
-        return "cuda"
-    select.FAMILIES["cpu"] = (("sluice.backends.cuda.backend", "CudaBackend") if cuda
-                              else ("sluice.backends.cpu.backend", "CpuBackend"))
-    return "cpu"
+class Fp8Emulated:
+    """A linear layer's FP8 arithmetic in torch: e4m3 weights q (exact in bf16) with a
+    scale per output channel; activations rounded to e4m3 per token above GEMV_ROWS rows."""
+    GEMV_ROWS = 8
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        self.q, self.scale = q.float(), scale
+
+    def __call__(self, x: torch.Tensor, bias=None) -> torch.Tensor:
+        from sluice.quantization.fp8 import quantize_rows_reference
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        if x2.shape[0] > self.GEMV_ROWS:
+            xq, xs = quantize_rows_reference(x2)
+            x2 = xq.float() * xs[:, None]
+        y = F.linear(x2, self.q) * self.scale
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def emulate_fp8(llm: LLM, weights: bool, kv: bool) -> None:
+    """The CUDA backend's FP8 roundings on a CPU engine running torch's ops (see the module
+    docstring): weights (every linear layer but the head and routers), and K/V as written."""
+    from sluice.backends import torch_ref
+    from sluice.quantization.fp8 import fp8_layers, quantize_rows_reference
+    if weights:
+        for _, module in fp8_layers(llm.engine.runner.model):
+            q, s = quantize_rows_reference(module.weight.detach())
+            module.method = Fp8Emulated(q, s)
+    write = torch_ref.__dict__.setdefault("_exact_write_kv", torch_ref.write_kv)
+    if not kv:
+        torch_ref.write_kv = write
+        return
+
+    def fp8_write(k_cache, v_cache, k, v, slot_mapping):
+        def rounded(x):
+            q, s = quantize_rows_reference(x)
+            return (q.float() * s[..., None]).to(x.dtype)
+        write(k_cache, v_cache, rounded(k), rounded(v), slot_mapping)
+    torch_ref.write_kv = fp8_write
 
 
 def main() -> None:
@@ -120,6 +151,8 @@ def main() -> None:
                 "bf16+kv8": dict(dtype="bfloat16", quantization=None, kv_cache_dtype="int8"),
                 "w8a8+kv8": dict(dtype="bfloat16", quantization="w8a8", kv_cache_dtype="int8"),
                 "w4a8+kv8": dict(dtype="bfloat16", quantization="w4a8", kv_cache_dtype="int8"),
+                # torch's own ops in bf16: the emulated FP8 rows' own baseline without a GPU
+                "bfloat16-torch": dict(dtype="bfloat16", quantization=None, cpu_isa="generic"),
                 "fp8": dict(dtype="bfloat16", quantization="fp8", device="cuda"),
                 "bf16+kvfp8": dict(dtype="bfloat16", quantization=None, kv_cache_dtype="fp8", device="cuda"),
                 "fp8+kvfp8": dict(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", device="cuda")}
@@ -132,8 +165,13 @@ def main() -> None:
     reference = None  # the reference model (float32's by default), kept to score each window beside the variant
     ref = args.reference
     for name, kwargs in variants.items():
-        kwargs = {**kwargs, "device": device_for(kwargs.get("device", "cpu"))}
-        llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False, cpu_isa=args.cpu_isa, **kwargs)
+        emulate = kwargs.get("device") == "cuda" and not torch.cuda.is_available()
+        if emulate:  # torch's ops on the CPU, the FP8 roundings added (emulate_fp8)
+            fp8 = (kwargs["quantization"] == "fp8", kwargs.get("kv_cache_dtype") == "fp8")
+            kwargs = dict(dtype="bfloat16", quantization=None, device="cpu", cpu_isa="generic")
+        llm = LLM(model=args.model, kv_cache_memory=0.3, enable_prefix_caching=False,
+                  **{"cpu_isa": args.cpu_isa, **kwargs})
+        emulate_fp8(llm, *(fp8 if emulate else (False, False)))
         prompts = PROMPTS + [llm.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         extra = make_prompts(llm.tokenizer, args.corpus_prompts, 20, 200, seed=7)
