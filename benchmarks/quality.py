@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice import LLM, SamplingParams
+from sluice.backends import torch_ref
 from sluice.bench.workload import make_prompts
 from sluice.core.scheduler import ScheduledRequest, StepPlan
 from sluice.request import Request
@@ -88,6 +89,10 @@ def window_metrics(llm: LLM, windows: list[list[int]], reference: LLM | None, re
     return row
 
 
+# The torch path's K/V write as sluice has it (emulate_fp8 wraps it for the FP8 variants).
+EXACT_WRITE_KV = torch_ref.write_kv
+
+
 class Fp8Emulated:
     """A linear layer's FP8 arithmetic in torch: e4m3 weights q (exact in bf16) with a
     scale per output channel; activations rounded to e4m3 per token above GEMV_ROWS rows."""
@@ -111,22 +116,20 @@ class Fp8Emulated:
 def emulate_fp8(llm: LLM, weights: bool, kv: bool) -> None:
     """The CUDA backend's FP8 roundings on a CPU engine running torch's ops (see the module
     docstring): weights (every linear layer but the head and routers), and K/V as written."""
-    from sluice.backends import torch_ref
     from sluice.quantization.fp8 import fp8_layers, quantize_rows_reference
     if weights:
         for _, module in fp8_layers(llm.engine.runner.model):
             q, s = quantize_rows_reference(module.weight.detach())
             module.method = Fp8Emulated(q, s)
-    write = torch_ref.__dict__.setdefault("_exact_write_kv", torch_ref.write_kv)
     if not kv:
-        torch_ref.write_kv = write
+        torch_ref.write_kv = EXACT_WRITE_KV
         return
 
     def fp8_write(k_cache, v_cache, k, v, slot_mapping):
         def rounded(x):
             q, s = quantize_rows_reference(x)
             return (q.float() * s[..., None]).to(x.dtype)
-        write(k_cache, v_cache, rounded(k), rounded(v), slot_mapping)
+        EXACT_WRITE_KV(k_cache, v_cache, rounded(k), rounded(v), slot_mapping)
     torch_ref.write_kv = fp8_write
 
 

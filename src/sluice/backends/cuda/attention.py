@@ -27,7 +27,6 @@ how the suite proves them against the torch reference without a GPU.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 
 from sluice.backends.cuda.fp8 import e4m3_round
+from sluice.backends.cuda.gemv import ieee_products
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -65,13 +65,6 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> 
     bs = k_cache.shape[2]
     return _CacheArgs(k_cache, v_cache, k_cache.view(torch.float32), v_cache.view(torch.float32), k_cache.stride(0),
                       k_cache.stride(1), head_dim, True, bs * 4)
-
-
-def _ieee(dtype: torch.dtype) -> bool:
-    """Products in float32 (IEEE, not TF32): for a float32 cache, and for every cache under
-    Triton's interpreter, which has no bf16 or fp16 arithmetic of its own (its bf16 dot
-    products come out as garbage), so there the half-precision kernels run upcast."""
-    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -194,7 +187,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), c.stride_kh, c.stride_kb,
                          c.stride_ks, block_tables.stride(0),
                          G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), BLOCK_Q=block_q, ROWS=rows, BLOCK_SIZE=bs,
-                         BLOCK_N=max(16, bs), IEEE=_ieee(q.dtype), FP8=c.fp8, DATA0=c.data0)
+                         BLOCK_N=max(16, bs), IEEE=ieee_products(q.dtype), FP8=c.fp8, DATA0=c.data0)
     return out
 
 
@@ -277,7 +270,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks, block_tables.stride(0),
         mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
         G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), ROWS=_pow2(group, 16), BLOCK_SIZE=bs, BLOCK_N=max(16, bs),
-        IEEE=_ieee(q.dtype), FP8=c.fp8, DATA0=c.data0)
+        IEEE=ieee_products(q.dtype), FP8=c.fp8, DATA0=c.data0)
     _decode_merge_kernel[(b, hq)](mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
                                   lse.stride(1), out.stride(0), out.stride(1), SPLITS=splits, S_PAD=_pow2(splits),
                                   HEAD_DIM=d, D_PAD=_pow2(d))

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.backends.cuda.gemv import GemvChoice, gemv
+from sluice.backends.cuda.gemv import GemvChoice, GemvConfig, default_config, gemv
 from sluice.quantization.fp8 import E4M3_MAX, FP8, check_scales, quantize_rows_reference  # noqa: F401
 
 
@@ -86,11 +86,13 @@ class Fp8Linear:
         n, k = self.weight.shape
         return x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
 
-    def gemv_config(self, rows: int):
+    def gemv_config(self, rows: int) -> GemvConfig | None:
+        """The GEMV's configuration for a step of `rows` rows, or None: the other path."""
         if rows > self.gemv_max_rows:
             return None
         if self.gemv_choice is None:
-            return True
+            n, k = self.weight.shape
+            return default_config(n, k, self.weight.dtype)
         return self.gemv_choice.pick(rows)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +109,7 @@ class Fp8Linear:
             if bias is not None:
                 y = y + bias
         else:
-            y = gemv(x2, self.weight, self.scale, bias, None if cfg is True else cfg)
+            y = gemv(x2, self.weight, self.scale, bias, cfg)
         return y.view(*shape[:-1], y.shape[-1])
 
 

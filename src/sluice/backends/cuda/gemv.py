@@ -52,8 +52,11 @@ class GemvConfig:
         return f"n{self.block_n}k{self.block_k}s{self.split}"
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def ieee_products(dtype: torch.dtype) -> bool:
+    """Products in float32 (IEEE, not TF32): for float32 inputs, and for every input under
+    Triton's interpreter, which has no bf16 or fp16 arithmetic of its own (its bf16 dot
+    products come out as garbage), so there the half-precision kernels run upcast."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -155,7 +158,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     part = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1
             else out)  # unused when there is one split
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), split)
-    ieee = x.dtype == torch.float32 or _interpreted()
+    ieee = ieee_products(x.dtype)
     _gemv_kernel[grid](x, weight, scale if scale is not None else out, bias if bias is not None else out, out, part,
                        m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
                        part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0,

@@ -180,33 +180,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q6k_pack_weight(at::T
 // Rows `ids` of packed Q6_K weights as float32 (d * sc) * (q - 32), ggml's values: an
 // embedding table read from the tied LM head's packed copy.
 at::Tensor q6k_rows(at::Tensor ids, at::Tensor lo, at::Tensor hi, at::Tensor d, at::Tensor sc, int64_t K) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
   const int64_t NB = d.size(0), KS = K / 4;
   check_packed(lo, hi, d, sc, NB, K);
-  ids = ids.contiguous();
-  const int64_t T = ids.size(0);
-  auto out = at::empty({T, K}, d.options());
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < NB * kLanes, "row out of range");
   const uint8_t* plo = lo.data_ptr<uint8_t>();
   const uint8_t* phi = hi.data_ptr<uint8_t>();
   const int8_t* psc = sc.data_ptr<int8_t>();
   const float* pd = d.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = ip[t], nb = n / kLanes, lane = n % kLanes;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t step = k / 4;
-        const int q = ((plo[((nb * (KS / 2) + step / 2) * kLanes + lane) * 4 + k % 4] >> (4 * (step % 2))) & 0x0F) |
-                      (((phi[((nb * (KS / 4) + step / 4) * kLanes + lane) * 4 + k % 4] >> (2 * (step % 4))) & 3) << 4);
-        const float dsc = pd[(nb * (K / kSuper) + k / kSuper) * kLanes + lane] *
-                          static_cast<float>(psc[(nb * (K / kHalf) + k / kHalf) * kLanes + lane]);
-        op[t * K + k] = dsc * static_cast<float>(q - 32);
-      }
-    }
+  return gather_rows(ids, NB * kLanes, K, d.options(), [&](int64_t n, int64_t k) {
+    const int64_t nb = n / kLanes, lane = n % kLanes, step = k / 4;
+    const int q = ((plo[((nb * (KS / 2) + step / 2) * kLanes + lane) * 4 + k % 4] >> (4 * (step % 2))) & 0x0F) |
+                  (((phi[((nb * (KS / 4) + step / 4) * kLanes + lane) * 4 + k % 4] >> (2 * (step % 4))) & 3) << 4);
+    const float dsc = pd[(nb * (K / kSuper) + k / kSuper) * kLanes + lane] *
+                      static_cast<float>(psc[(nb * (K / kHalf) + k / kHalf) * kLanes + lane]);
+    return dsc * static_cast<float>(q - 32);
   });
-  return out;
 }
 
 at::Tensor linear_q6k_rows(const W8A8Rows& x, at::Tensor lo, at::Tensor hi, at::Tensor d, at::Tensor sc, int64_t N,

@@ -339,4 +339,24 @@ void for_panels(int64_t M, int64_t NB, int cols, int max_rows, const uint8_t* w,
   });
 }
 
+// Rows `ids` ([T] int64) of a packed weight table of `rows` rows and K columns, as float32
+// [T, K] (`options`' device): each id checked against the table, then value(n, k) for
+// row n's column k, rows spread over the threads. The embedding read from a tied LM
+// head's packed copy (w4a8_rows, q6k_rows): a few rows a step, off the hot loops.
+template <typename F>
+at::Tensor gather_rows(at::Tensor ids, int64_t rows, int64_t K, const at::TensorOptions& options, const F& value) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
+  ids = ids.contiguous();
+  const int64_t T = ids.size(0);
+  auto out = at::empty({T, K}, options.dtype(at::kFloat));
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "row out of range");
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t k = 0; k < K; ++k) op[t * K + k] = value(ip[t], k);
+  });
+  return out;
+}
+
 }  // namespace sluice

@@ -407,7 +407,6 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
     TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
     return q6k_rows(ids, packed, *nibbles, d, m, K);
   }
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
   const int64_t Kp = padded_k(K), KS = Kp / 4, nblk = Kp / kBlock, NB = d.size(0);
   const bool five = packed.dim() == 5;
   const bool bytes = packed.numel() > 0 && !five, wide = packed.scalar_type() == at::kChar;
@@ -417,43 +416,31 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
               (m.sizes() == d.sizes() || (row_offsets && m.numel() == NB * kLanes)) && m.is_contiguous(),
               "block scales and minimums packed by w4a8_pack_weight expected");
-  ids = ids.contiguous();
-  const int64_t T = ids.size(0);
-  auto out = at::empty({T, K}, d.options());
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < NB * kLanes, "row out of range");
   const uint8_t* wb = bytes ? static_cast<const uint8_t*>(packed.data_ptr()) : nullptr;
   const uint8_t* wn = bytes || five ? nullptr : nibbles->data_ptr<uint8_t>();
   const uint8_t* w5 = five ? packed.data_ptr<uint8_t>() : nullptr;
   const int offset = wide ? kWideOffset : 0;
   const float* dp = d.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = ip[t], nb = n / kLanes, lane = n % kLanes;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t step = k / 4;
-        int q;
-        if (w5) {
-          const uint8_t* unit = w5 + (nb * nblk + k / kBlock) * kFiveBlockBytes;
-          const int64_t s = step % kStepsPerBlock;
-          q = ((unit[((s / 2) * kLanes + lane) * 4 + k % 4] >> (4 * (s % 2))) & 0x0F) |
-              (((unit[(4 * kLanes + lane) * 4 + k % 4] >> s) & 1) << 4);
-        } else if (wb) {
-          q = wb[((nb * KS + step) * kLanes + lane) * 4 + k % 4];
-          if (wide) q = static_cast<uint8_t>(q + offset);
-        } else {
-          const uint8_t v = wn[((nb * (KS / 2) + step / 2) * kLanes + lane) * 4 + k % 4];
-          q = step % 2 ? v >> 4 : v & 0x0F;
-        }
-        const int64_t at = (nb * nblk + k / kBlock) * kLanes + lane;
-        const float mv = row_offsets ? dp[at] * mp[n] : mp[at];
-        op[t * K + k] = static_cast<float>(q) * dp[at] + mv;
-      }
+  return gather_rows(ids, NB * kLanes, K, d.options(), [&](int64_t n, int64_t k) {
+    const int64_t nb = n / kLanes, lane = n % kLanes, step = k / 4;
+    int q;
+    if (w5) {
+      const uint8_t* unit = w5 + (nb * nblk + k / kBlock) * kFiveBlockBytes;
+      const int64_t s = step % kStepsPerBlock;
+      q = ((unit[((s / 2) * kLanes + lane) * 4 + k % 4] >> (4 * (s % 2))) & 0x0F) |
+          (((unit[(4 * kLanes + lane) * 4 + k % 4] >> s) & 1) << 4);
+    } else if (wb) {
+      q = wb[((nb * KS + step) * kLanes + lane) * 4 + k % 4];
+      if (wide) q = static_cast<uint8_t>(q + offset);
+    } else {
+      const uint8_t v = wn[((nb * (KS / 2) + step / 2) * kLanes + lane) * 4 + k % 4];
+      q = step % 2 ? v >> 4 : v & 0x0F;
     }
+    const int64_t at = (nb * nblk + k / kBlock) * kLanes + lane;
+    const float mv = row_offsets ? dp[at] * mp[n] : mp[at];
+    return static_cast<float>(q) * dp[at] + mv;
   });
-  return out;
 }
 
 // The byte layout [NB][KS][16][4] -> two steps a byte, [NB][KS / 2][16][4]: byte (j, l, i)
