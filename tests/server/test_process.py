@@ -8,17 +8,19 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.server.conftest import MODEL, serve_process
 
 
-def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint):
+@pytest.mark.parametrize("mode", [["--no-engine-process"], []], ids=["thread", "engine-process"])
+def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, mode):
     """On SIGTERM open streams get the grace period, then a final error event and [DONE]
     (they used to be cut mid-chunk, with a CancelledError traceback each in the log). One
     sequence at a time and four samples a stream, one token a step: the streams hold
     5,760 steps of work, which no machine finishes in the 0.3 s grace."""
     proc, url = serve_process("--model", str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "128",
-                              "--served-model-name", MODEL, "--shutdown-grace", "0.3", "--max-num-seqs", "1")
+                              "--served-model-name", MODEL, "--shutdown-grace", "0.3", "--max-num-seqs", "1", *mode)
     try:
         body = {"model": MODEL, "prompt": "go", "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 4,
                 "speculative": False}

@@ -68,13 +68,36 @@ _KEEPALIVE = object()   # a stream's timer tick: nothing came for keepalive_s
 _DEADLINE = object()    # its deadline passed
 
 
-@dataclass
+class LoopSink:
+    """Where the engine thread delivers to streams and callers on one asyncio event loop:
+    everything goes through call_soon_threadsafe. The engine-core process
+    (engine/core_process.py) has a sink of its own that sends the same over a socket."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def put(self, stream: "_Stream", item) -> None:
+        self.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def deliver(self, items: list[tuple["_Stream", RequestOutput]]) -> None:
+        self.loop.call_soon_threadsafe(_deliver, items)
+
+    def settle(self, token: asyncio.Future, value=None, error: BaseException | None = None) -> None:
+        """A caller's answer: a request's prompt ids when added, or a call's result."""
+        if error is not None:
+            self.loop.call_soon_threadsafe(_set_exception, token, error)
+        else:
+            self.loop.call_soon_threadsafe(_set_result, token, value)
+
+
+@dataclass(eq=False)
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    sink: LoopSink
+    queue: asyncio.Queue | None = None
+    request_id: str = ""
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.sink.put(self, item)
 
 
 class _Timers:
@@ -100,6 +123,40 @@ class _Timers:
     def cancel(self) -> None:
         for h in self.handles:
             h.cancel()
+
+
+async def iterate(engine, request_id: str, queue: asyncio.Queue, deadline: float | None = None,
+                  keepalive_s: float | None = None) -> AsyncIterator[RequestOutput | None]:
+    """A request's outputs as its queue receives them (RequestOutput, or an exception the
+    engine ended it with), with its deadline and keep-alive ticks; a consumer that leaves
+    early aborts it (engine.abort: an AsyncEngine or the engine-core process's client)."""
+    finished = False
+    timers = _Timers(queue, deadline, keepalive_s)
+    try:
+        while True:
+            item = await queue.get()
+            if item is _KEEPALIVE:
+                yield None
+                continue
+            timers.items += 1
+            if item is _DEADLINE:
+                raise RequestTimeoutError("the request did not finish by its deadline (--request-timeout); "
+                                          "it was ended and its blocks freed")
+            if isinstance(item, BaseException):
+                finished = True  # the engine has already let it go
+                raise item
+            finished = item.finished
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+            yield item
+            if finished:
+                return
+    finally:
+        timers.cancel()
+        # The consumer went away (client disconnect, cancellation) or the deadline
+        # passed: stop the request.
+        if not finished:
+            engine.abort(request_id)
 
 
 class AsyncEngine:
@@ -172,8 +229,17 @@ class AsyncEngine:
         cache reset): its result, or what it raised."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._send(("call", loop, done, fn))
+        self.enqueue_call(LoopSink(loop), done, fn)
         return await done
+
+    def enqueue_call(self, sink, token, fn) -> None:
+        """Run fn(engine) between two steps; its result or error goes to sink.settle(token)."""
+        self._send(("call", sink, token, fn))
+
+    async def render_metrics(self, metrics) -> bytes:
+        """/metrics: the Prometheus text of `metrics`, which this process's per-step hook
+        fills (the engine-core process's client asks that process instead)."""
+        return metrics.render()
 
     async def release_session(self, session_id: str, tenant: str | None) -> int | None:
         """Drop a session's pinned blocks, between two engine steps; how many, or None
@@ -200,7 +266,15 @@ class AsyncEngine:
         it reached the engine is dropped, and its stream raises QueueTimeoutError."""
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(LoopSink(loop), asyncio.Queue(), request_id)
+        self.enqueue(request_id, prompt, params, cache_salt, stream, added, scheduling, queue_wait_s)
+        return added, iterate(self, request_id, stream.queue, deadline, keepalive_s)
+
+    def enqueue(self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None,
+                stream: _Stream, added, scheduling: dict | None = None, queue_wait_s: float | None = None) -> None:
+        """Hand a request to the engine thread: its outputs go to stream.put / its sink's
+        deliver, its prompt ids (or the ValueError that refused it) to sink.settle(added).
+        Raises at once if the engine takes nothing now."""
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError("the engine stopped; the server is restarting")
@@ -211,37 +285,6 @@ class AsyncEngine:
             self._unqueued += params.n
             self._send(("add", request_id, prompt, params, cache_salt, stream, added, scheduling or {},
                         queue_wait_s))
-        return added, self._iterate(request_id, stream, deadline, keepalive_s)
-
-    async def _iterate(self, request_id: str, stream: _Stream, deadline: float | None = None,
-                       keepalive_s: float | None = None) -> AsyncIterator[RequestOutput | None]:
-        finished = False
-        timers = _Timers(stream.queue, deadline, keepalive_s)
-        try:
-            while True:
-                item = await stream.queue.get()
-                if item is _KEEPALIVE:
-                    yield None
-                    continue
-                timers.items += 1
-                if item is _DEADLINE:
-                    raise RequestTimeoutError("the request did not finish by its deadline (--request-timeout); "
-                                              "it was ended and its blocks freed")
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has already let it go
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                yield item
-                if finished:
-                    return
-        finally:
-            timers.cancel()
-            # The consumer went away (client disconnect, cancellation) or the deadline
-            # passed: stop the request.
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -406,7 +449,7 @@ class AsyncEngine:
                         raise refuse
                     ids = self.engine.add_request(rid, prompt, params, cache_salt=salt, **scheduling)
                 except Exception as e:  # ValueError for bad input; reported, never fatal
-                    stream.loop.call_soon_threadsafe(_set_exception, added, e)
+                    stream.sink.settle(added, error=e)
                     continue
                 finally:
                     with self._lock:
@@ -414,18 +457,18 @@ class AsyncEngine:
                 self._streams[rid] = stream
                 if queue_wait_s is not None:
                     self._queue_deadlines[rid] = (time.monotonic() + queue_wait_s, queue_wait_s)
-                stream.loop.call_soon_threadsafe(_set_result, added, ids)
+                stream.sink.settle(added, ids)
             elif cmd[0] == "call":
-                _, loop, done, fn = cmd
+                _, sink, token, fn = cmd
                 if refuse is not None:
-                    loop.call_soon_threadsafe(_set_exception, done, refuse)
+                    sink.settle(token, error=refuse)
                     continue
                 try:
                     result = fn(self.engine)
                 except Exception as e:  # the caller's to report (a bad update, a busy engine)
-                    loop.call_soon_threadsafe(_set_exception, done, e)
+                    sink.settle(token, error=e)
                 else:
-                    loop.call_soon_threadsafe(_set_result, done, result)
+                    sink.settle(token, result)
             elif cmd[0] == "note" and refuse is None:
                 try:
                     cmd[1](self.engine)
@@ -440,22 +483,23 @@ class AsyncEngine:
         # One call_soon_threadsafe per event loop per step, not one per request: each such
         # call wakes the loop through its self-pipe, and at c32 the 32 wake-ups a step cost
         # as many GIL hand-offs between the engine thread and the server's.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[object, tuple[object, list[tuple[_Stream, RequestOutput]]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            batches.setdefault(stream.loop, []).append((stream.queue, out))
+            key = getattr(stream.sink, "loop", stream.sink)
+            batches.setdefault(key, (stream.sink, []))[1].append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
                 self._finish_times.append(time.monotonic())
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_deliver, items)
+        for sink, items in batches.values():
+            sink.deliver(items)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -31,6 +31,7 @@ from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_offload import OffloadIndex
 from sluice.core.scheduler import Scheduler
 from sluice.engine.output_processor import OutputProcessor
+from sluice.engine.request_checks import RequestChecks
 from sluice.distributed.parallel import check_tp_size, split
 from sluice.distributed.tensor_parallel import TensorParallel
 from sluice.models.loader import gguf_tensor_bytes, iter_weights, load_hf_config, resolve_model
@@ -298,12 +299,15 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         adapter = self.lora_adapter(lora)
-        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        self._check_vocab(params)
-        return self._check_fits(len(ids), params), adapter
+        return self.request_checks().check(ids, params), adapter
+
+    def request_checks(self) -> RequestChecks:
+        """What check_request checks against, as a value (the API server of an engine-core
+        process runs the same checks in its own process)."""
+        return RequestChecks(self.runner.vocab_size, frozenset(self.tokenizer.eos_token_ids), self.max_model_len,
+                             self.kv.capacity_tokens(self.config.scheduler.max_num_batched_tokens, self.max_model_len),
+                             self.kv.num_blocks,
+                             None if self.lora is None else frozenset(self.lora.adapters))
 
     # -- LoRA adapters ----------------------------------------------------------
     def lora_adapter(self, name: str | None):
@@ -340,56 +344,6 @@ class LLMEngine:
         if self.lora is None or name not in self.lora.adapters:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")
         self.lora.remove(name)
-
-    def _check_vocab(self, params: SamplingParams) -> None:
-        """The fields whose bound is this model's vocabulary (a token id past it would
-        fail inside the step, for every request in the batch)."""
-        vocab = self.runner.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}) for this model")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}) for this model, "
-                             f"got {max(params.logit_bias)}")
-        allowed = params.allowed_token_ids
-        if allowed is not None:
-            if allowed[-1] >= vocab:
-                raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab}) for this model, "
-                                 f"got {allowed[-1]}")
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_token_ids)
-            if params.min_tokens > 0 and set(allowed) <= stops:
-                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids at first: "
-                                 "no token could be sampled")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.max_model_len
-        max_tokens = params.max_tokens
-        if max_tokens == 0:  # the prompt is only computed: it may fill the context
-            if prompt_len > limit:
-                raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {limit}: "
-                                 f"{prompt_len - limit} tokens too long")
-        elif prompt_len >= limit:
-            raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {limit}: "
-                             f"{prompt_len - limit + 1} tokens too long (at least one must be generated)")
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-        elif prompt_len + max_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                             f"{prompt_len + max_tokens} exceeds max_model_len {limit} by "
-                             f"{prompt_len + max_tokens - limit}")
-        # The longest sequence the pool can hold (sliding-window groups hold their window's
-        # blocks, however long it grows; a prompt chunk is at most a step's budget).
-        capacity = self.kv.capacity_tokens(self.config.scheduler.max_num_batched_tokens, limit)
-        if prompt_len + max_tokens > capacity:
-            if params.max_tokens is None and prompt_len < capacity:
-                return capacity - prompt_len
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                             f"{prompt_len + max_tokens} can never fit the KV cache of {capacity} "
-                             f"tokens ({self.kv.num_blocks} blocks): over by {prompt_len + max_tokens - capacity}")
-        return max_tokens
 
     def abort(self, request_id: str) -> None:
         """Stop a request at any point; its blocks are free when this returns."""

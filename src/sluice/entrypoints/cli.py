@@ -297,6 +297,16 @@ def cmd_serve(args) -> int:
                           tenants=tenants, limits=limits, max_request_bytes=args.max_request_bytes,
                           shutdown_grace_s=args.shutdown_grace, enable_weight_updates=args.enable_weight_updates,
                           enable_lora_updates=args.enable_lora_updates)
+    # These hand the engine objects made in the server's process (a checkpoint's tensors,
+    # an adapter read off the engine thread), or run whole servers as Ray replicas: they
+    # keep the engine in a thread of the server's process.
+    one_process = [flag for flag, on in (
+        ("--enable-weight-updates", args.enable_weight_updates), ("--enable-lora-updates", args.enable_lora_updates),
+        ("--data-parallel-size > 1", args.data_parallel_size > 1 or args.ray_address is not None)) if on]
+    if args.engine_process and one_process:
+        raise ValueError(f"--engine-process does not take {one_process[0]}: leave it out (or pass "
+                         "--no-engine-process) to run the engine in the server's process")
+    config.engine_process = not one_process if args.engine_process is None else args.engine_process
     log_level = "info" if args.log_level == "WARNING" else args.log_level
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
@@ -346,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-lora-updates", action="store_true",
                      help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's); with --api-key "
                           "they take that key only (default: off, 404)")
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the engine core (scheduler, model, sampling, detokenization) in a process of its own "
+                          "beside the HTTP server's, over ZeroMQ, so neither waits on the other's Python (vLLM V1's "
+                          "shape). Default: on, except with --enable-weight-updates, --enable-lora-updates or "
+                          "data-parallel replicas, which keep it in a thread of the server's process "
+                          "(--no-engine-process: always there)")
     srv.add_argument("--shutdown-grace", type=float, default=2.0,
                      help="on SIGTERM, seconds open requests get to finish before they end with an error (default 2)")
     dp = srv.add_argument_group("data parallel (replicas on Ray)")

@@ -188,6 +188,9 @@ class ServerConfig:
     enable_weight_updates: bool = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py); off: 404.
     enable_lora_updates: bool = False
+    # The engine core (scheduler, runner, outputs) in a process of its own beside this one
+    # (engine/core_process.py); off: in a thread of this process.
+    engine_process: bool = False
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -401,7 +404,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await engine.render_metrics(metrics), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
@@ -456,17 +459,27 @@ def serve(engine_kwargs: dict, config: ServerConfig, log_level: str = "info") ->
     metrics = Metrics(config.served_model_name)
     exit_code = 0
 
+    server = None
+
     def on_dead(_error: BaseException) -> None:
         # The engine failed past recovery: stop serving and exit non-zero, so a supervisor
         # (systemd, Kubernetes, a shell loop) restarts the process, rather than answer 503.
         nonlocal exit_code
         exit_code = 1
-        server.should_exit = True
+        if server is not None:
+            server.should_exit = True
 
-    # The model loads in the engine thread, where it runs (see AsyncEngine).
-    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics),
-                         on_dead=on_dead)
+    if config.engine_process:
+        from sluice.engine.core_process import EngineCoreClient
+        engine = EngineCoreClient(engine_kwargs, config.served_model_name, on_dead=on_dead,
+                                  log_level=logging.getLevelName(logging.getLogger().level))
+    else:
+        # The model loads in the engine thread, where it runs (see AsyncEngine).
+        engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics),
+                             on_dead=on_dead)
     engine.start()
+    if config.engine_process:
+        logger.info("engine core: process %d (--no-engine-process: a thread of this one)", engine.process.pid)
     app = build_app(engine, config, metrics)
     logger.warning("sluice serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
     # On SIGINT/SIGTERM uvicorn stops accepting and the engine drains: open requests get
@@ -475,6 +488,7 @@ def serve(engine_kwargs: dict, config: ServerConfig, log_level: str = "info") ->
     server = _server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
                                             timeout_graceful_shutdown=config.shutdown_grace_s + 3))
     server.engine, server.grace_s = engine, config.shutdown_grace_s
+    server.should_exit = bool(exit_code)  # the engine died before the server was made
     try:
         server.run()
     finally:

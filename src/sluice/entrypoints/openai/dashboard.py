@@ -102,7 +102,10 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, metrics, keys: dict[
             while True:
                 if await raw.is_disconnected():
                     return
-                yield f"data: {json.dumps(snapshot(engine, metrics))}\n\n"
+                # With an engine-core process the engine's state is in that process: ask it.
+                remote = getattr(engine, "dashboard_snapshot", None)
+                view = await remote(metrics) if remote is not None else snapshot(engine, metrics)
+                yield f"data: {json.dumps(view)}\n\n"
                 await asyncio.sleep(EVENT_S)
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

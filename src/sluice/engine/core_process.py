@@ -1,0 +1,600 @@
+"""The engine core in a process of its own (`sluice serve --engine-process`), vLLM V1's shape.
+
+The API server's process keeps FastAPI, tokenization, chat templates, grammar checks and
+SSE; the engine-core process runs the scheduler, the runner and the output processor (an
+AsyncEngine: its engine thread and its command queue, as in one process). The two talk
+over two ZeroMQ PUSH/PULL sockets on IPC paths, every message a msgspec msgpack struct:
+a request's sampling parameters travel pickled (once per request), a step's outputs as
+typed msgpack (once per step, all of them in one message), so the engine never waits on
+the server's event loop for the GIL, and the server never waits on the engine's step.
+
+What crosses, and how the server's guarantees hold across it:
+- add / abort: the server's streams, deadlines and keep-alive ticks stay in its process;
+  queue-wait bounds, drain and resets run in the core's AsyncEngine as before. A request
+  refused by the engine comes back as its ValueError (a 400).
+- bounded queues: every Added and Outputs message carries the core's waiting count, which
+  with the adds not yet acknowledged is what `--max-waiting` admits against.
+- metrics and the dashboard live in the core (its per-step hook observes the engine where
+  it runs); /metrics and the dashboard's events ask for them, answered by the core's main
+  thread without waiting for a step boundary.
+- shutdown: a drain is forwarded, open requests end with the same errors; the server's
+  exit stops the core (and a core whose server died exits within a second).
+- the core dying (a crash, a kill, the OOM killer) is seen at once through the process's
+  sentinel: every open stream ends with EngineDeadError, /health answers 503 and the
+  server exits non-zero, as when the engine thread dies in one process.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+from typing import Callable, Union
+
+import msgspec
+import zmq
+
+from sluice.engine.async_engine import (EngineDeadError, QueueTimeoutError, RequestFailedError, RequestTimeoutError,
+                                        ShuttingDownError, iterate)
+from sluice.engine.llm_engine import EngineAsleepError, EngineBusyError
+from sluice.engine.request_checks import RequestChecks
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 1800.0   # loading a big checkpoint from a slow disk
+PARENT_POLL_MS = 1000      # how often an idle core checks that its server still lives
+
+
+# -- messages -------------------------------------------------------------------------
+class ErrorInfo(msgspec.Struct, array_like=True):
+    kind: str
+    message: str
+    retry_after: int = 0
+
+
+# server -> core
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt: Union[str, list[int]]
+    payload: bytes   # pickle of (SamplingParams, cache_salt, scheduling, queue_wait_s)
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    call_id: int     # 0: nobody waits for the result
+    name: str
+    payload: bytes   # pickle of the arguments
+
+
+class Drain(msgspec.Struct, tag="drain", array_like=True):
+    grace_s: float
+
+
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    pass
+
+
+ToCore = Union[Add, Abort, Call, Drain, Stop]
+
+
+# core -> server
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    payload: bytes   # pickle of what EngineView holds
+
+
+class LoadFailed(msgspec.Struct, tag="load_failed", array_like=True):
+    error: ErrorInfo
+
+
+class Added(msgspec.Struct, tag="added", array_like=True):
+    request_id: str
+    prompt_token_ids: Union[list[int], None]
+    error: Union[ErrorInfo, None]
+    n: int
+    waiting: int
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[RequestOutput]
+    waiting: int
+
+
+class Ended(msgspec.Struct, tag="ended", array_like=True):
+    request_id: str
+    error: ErrorInfo
+
+
+class Result(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    payload: bytes
+    error: Union[ErrorInfo, None]
+
+
+class Dead(msgspec.Struct, tag="dead", array_like=True):
+    error: ErrorInfo
+
+
+FromCore = Union[Ready, LoadFailed, Added, Outputs, Ended, Result, Dead]
+
+# Errors that cross as themselves; anything else arrives as a RuntimeError with its text.
+_ERRORS: dict[str, type[BaseException]] = {e.__name__: e for e in (
+    ValueError, EngineDeadError, ShuttingDownError, RequestFailedError, RequestTimeoutError, EngineAsleepError,
+    EngineBusyError)}
+
+
+def error_info(e: BaseException) -> ErrorInfo:
+    return ErrorInfo(type(e).__name__, str(e), getattr(e, "retry_after", 0))
+
+
+def rebuild_error(info: ErrorInfo) -> BaseException:
+    if info.kind == "QueueTimeoutError":
+        return QueueTimeoutError(info.message, info.retry_after)
+    return _ERRORS.get(info.kind, RuntimeError)(info.message)
+
+
+# -- the core's side --------------------------------------------------------------------
+class _Sender:
+    """The core's output socket, shared by its main thread and its engine thread."""
+
+    def __init__(self, socket: zmq.Socket):
+        self.socket = socket
+        self.encoder = msgspec.msgpack.Encoder()
+        self.lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        data = self.encoder.encode(msg)
+        with self.lock:
+            self.socket.send(data, copy=False)
+
+
+class _CoreStream:
+    """A request's stream as the core's AsyncEngine sees it (its `sink` sends)."""
+    __slots__ = ("sink", "request_id")
+
+    def __init__(self, sink: "_CoreSink", request_id: str):
+        self.sink, self.request_id = sink, request_id
+
+    def put(self, item) -> None:
+        self.sink.put(self, item)
+
+
+class _CoreSink:
+    """What the core's engine thread delivers, sent to the server: a step's outputs in one
+    message, a request's end by error, a request's admission, a call's result."""
+
+    def __init__(self, sender: _Sender, engine):
+        self.sender, self.engine = sender, engine
+
+    def put(self, stream: _CoreStream, item) -> None:
+        if isinstance(item, BaseException):
+            self.sender.send(Ended(stream.request_id, error_info(item)))
+        else:
+            self.sender.send(Outputs([item], self.engine.num_waiting_seqs))
+
+    def deliver(self, items) -> None:
+        self.sender.send(Outputs([out for _, out in items], self.engine.num_waiting_seqs))
+
+    def settle(self, token, value=None, error: BaseException | None = None) -> None:
+        kind, key, n = token
+        if kind == "add":
+            ids = None if error is not None else list(value)
+            self.sender.send(Added(key, ids, None if error is None else error_info(error), n,
+                                   self.engine.num_waiting_seqs))
+        elif key:  # a call someone waits for
+            self.sender.send(Result(key, b"" if error is not None else pickle.dumps(value),
+                                    None if error is None else error_info(error)))
+
+
+class _Refused:
+    """The server's count of requests its tenants' rate limits refused, for the core's
+    Metrics.render (quotas live with the HTTP server)."""
+
+    def __init__(self, counts: dict):
+        self.counts = counts
+
+    def refused(self) -> dict:
+        return self.counts
+
+
+def view_info(engine) -> dict:
+    """What the API server needs of the engine, taken once when the core is ready."""
+    grammars = engine.grammars
+    return {"tokenizer": engine.tokenizer, "reasoning": engine.reasoning, "max_model_len": engine.max_model_len,
+            "model_path": engine.model_path, "vocab_size": engine.runner.vocab_size, "dtype": engine.dtype,
+            "checks": engine.request_checks(), "lora_names": engine.lora_names(),
+            "grammar": (grammars.vocab_size, grammars.cache_size, grammars.compile_timeout_s),
+            "weight_version": engine.weight_version, "backend": engine.backend.line()}
+
+
+def core_main(engine_kwargs: dict, model_name: str, to_core: str, from_core: str, parent_pid: int,
+              log_level: str, observe: Callable, snapshot: Callable) -> None:
+    """The engine-core process: build the engine, then serve the server's commands until it
+    says stop or goes away. `observe` (api_server.observe) makes the per-step metrics hook,
+    `snapshot` (dashboard.snapshot) the dashboard's view."""
+    logging.basicConfig(level=log_level, format="%(levelname)s core %(name)s: %(message)s")
+    from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.llm_engine import LLMEngine
+    from sluice.metrics import Metrics
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(from_core)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(to_core)
+    sender = _Sender(out)
+    metrics = Metrics(model_name)
+
+    def on_dead(error: BaseException) -> None:
+        sender.send(Dead(ErrorInfo(type(error).__name__, str(error))))
+
+    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics), on_dead=on_dead)
+    try:
+        engine.start()
+    except BaseException as e:
+        logger.exception("loading the engine failed")
+        sender.send(LoadFailed(error_info(e)))
+        out.close(linger=2000)
+        inp.close(linger=0)
+        ctx.term()
+        return
+    sender.send(Ready(pickle.dumps(view_info(engine.engine))))
+    sink = _CoreSink(sender, engine)
+    decoder = msgspec.msgpack.Decoder(ToCore)
+    calls = {
+        "reset_prefix_cache": lambda e: e.reset_prefix_cache(),
+        "release_session": lambda e, sid, tenant: e.release_session(sid, tenant),
+    }
+    try:
+        while True:
+            if not inp.poll(PARENT_POLL_MS):
+                if os.getppid() != parent_pid:  # the server is gone: nobody reads what we make
+                    logger.error("the API server process is gone; the engine core stops")
+                    break
+                continue
+            msg = decoder.decode(inp.recv(copy=False).buffer)
+            if isinstance(msg, Add):
+                params, salt, scheduling, queue_wait_s = pickle.loads(msg.payload)
+                token = ("add", msg.request_id, params.n)
+                try:
+                    if params.structured_outputs is not None:
+                        # Here, not in the engine thread's add_request (a cache hit there):
+                        # the server checked it compiles in time.
+                        engine.engine.grammars.compile(params.structured_outputs)
+                    engine.enqueue(msg.request_id, msg.prompt, params, salt, _CoreStream(sink, msg.request_id),
+                                   token, scheduling, queue_wait_s)
+                except Exception as e:  # dead, asleep, draining, a grammar: the request's own error
+                    sink.settle(token, error=e)
+            elif isinstance(msg, Abort):
+                engine.abort(msg.request_id)
+            elif isinstance(msg, Call):
+                args = pickle.loads(msg.payload)
+                token = ("call", msg.call_id, 0)
+                if msg.name == "render_metrics":
+                    metrics.quotas = _Refused(args[0])
+                    sink.settle(token, metrics.render())
+                elif msg.name == "dashboard":
+                    sink.settle(token, snapshot(engine, metrics))
+                elif msg.name == "note_tool_calls":
+                    engine.note_tool_calls(*args)
+                elif msg.name in calls:
+                    fn = calls[msg.name]
+                    engine.enqueue_call(sink, token, lambda e, fn=fn, args=args: fn(e, *args))
+                else:
+                    sink.settle(token, error=ValueError(f"the engine core has no call {msg.name!r}"))
+            elif isinstance(msg, Drain):
+                engine.begin_drain(msg.grace_s)
+            elif isinstance(msg, Stop):
+                break
+    finally:
+        engine.shutdown()
+        out.close(linger=1000)
+        inp.close(linger=0)
+        ctx.term()
+
+
+# -- the server's side ------------------------------------------------------------------
+class EngineView:
+    """What the API server reads off the engine (`engine.engine` in one process), in the
+    server's own process: the tokenizer, the limits, the request checks, and a grammar
+    compiler of its own to check grammars before admission."""
+
+    def __init__(self, info: dict):
+        from sluice.structured.grammar import GrammarCompiler
+        self.tokenizer = info["tokenizer"]
+        self.reasoning = info["reasoning"]
+        self.max_model_len = info["max_model_len"]
+        self.model_path = info["model_path"]
+        self.runner = SimpleNamespace(vocab_size=info["vocab_size"])
+        self.dtype = info["dtype"]
+        self.checks: RequestChecks = info["checks"]
+        self._lora_names: dict[str, str] = info["lora_names"]
+        self.lora = None  # adapters are fixed at start in this mode (no load / unload routes)
+        self.weight_version = info["weight_version"]
+        self.num_weight_updates = 0
+        self.asleep = False
+        self.backend_line = info["backend"]
+        vocab, cache_size, timeout = info["grammar"]
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids, vocab,
+                                        cache_size=cache_size, compile_timeout_s=timeout)
+
+    def lora_names(self) -> dict[str, str]:
+        return dict(self._lora_names)
+
+    def check_request(self, ids: list[int], params: SamplingParams, lora: str | None = None):
+        return self.checks.check(ids, params, lora), None
+
+
+class EngineCoreClient:
+    """The API server's handle on an engine-core process: AsyncEngine's interface (submit,
+    abort, drain, shutdown, sessions, the waiting count) over the sockets."""
+
+    def __init__(self, engine_kwargs: dict, model_name: str, on_dead: Callable[[BaseException], None] | None = None,
+                 log_level: str = "INFO"):
+        self.engine_kwargs, self.model_name, self.on_dead, self.log_level = (
+            engine_kwargs, model_name, on_dead, log_level)
+        self.engine: EngineView | None = None
+        self.process: multiprocessing.Process | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._next_call = 1
+        self._lock = threading.Lock()   # the input socket, the counts below
+        self._unqueued = 0              # sequences sent, not yet acknowledged
+        self._waiting = 0               # the core's waiting count, as last reported
+        self._dead: BaseException | None = None
+        self._draining = False
+        self._stopping = False
+        self._dir: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the core and return once its engine is built (or raise what building it
+        raised)."""
+        from sluice.entrypoints.openai.api_server import observe
+        from sluice.entrypoints.openai.dashboard import snapshot
+        self._dir = tempfile.mkdtemp(prefix="sluice-core-")
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.bind(f"ipc://{self._dir}/in")
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.bind(f"ipc://{self._dir}/out")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        # spawn, not fork: this process may already hold torch's threads and CUDA.
+        # Not a daemon: the core may start processes of its own (tensor-parallel ranks).
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=core_main, name="sluice-engine-core",
+            args=(self.engine_kwargs, self.model_name, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out",
+                  os.getpid(), self.log_level, observe, snapshot))
+        self.process.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._from_core.poll(200):
+            if not self.process.is_alive():
+                self._close()
+                raise RuntimeError(f"the engine-core process exited (status {self.process.exitcode}) before "
+                                   "its engine was ready; its log is above")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"the engine-core process was not ready within {READY_TIMEOUT_S:.0f} s")
+        msg = self._decoder.decode(self._from_core.recv())
+        if isinstance(msg, LoadFailed):
+            self._stopping = True
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+            self._close()
+            raise rebuild_error(msg.error)
+        self.engine = EngineView(pickle.loads(msg.payload))
+        threading.Thread(target=self._read, name="sluice-core-reader", daemon=True).start()
+        threading.Thread(target=self._watch, name="sluice-core-watch", daemon=True).start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError, OSError):  # the core may be going already
+                self._send(Stop())
+            self.process.join(timeout)
+            if self.process.is_alive():
+                logger.warning("the engine-core process did not stop in %.0f s; terminating it", timeout)
+                self.process.terminate()
+                self.process.join(5)
+                if self.process.is_alive():
+                    self.process.kill()
+                    self.process.join()
+        self._close()
+
+    def _close(self) -> None:
+        for sock in (getattr(self, "_to_core", None), getattr(self, "_from_core", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _watch(self) -> None:
+        """The core's exit, seen through its sentinel the moment it happens."""
+        self.process.join()
+        if not self._stopping:
+            self._die(EngineDeadError(f"the engine-core process exited unexpectedly (status "
+                                      f"{self.process.exitcode})"))
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = error
+        logger.error("the engine is dead (%s)", error)
+        gone = EngineDeadError("the engine stopped; the server is restarting")
+        for rid in list(self._streams):
+            item = self._streams.pop(rid, None)
+            if item is not None:
+                item[0].call_soon_threadsafe(item[1].put_nowait, gone)
+        for table in (self._adds, self._calls):
+            for key in list(table):
+                item = table.pop(key, None)
+                if item is not None:
+                    item[0].call_soon_threadsafe(_set_exception, item[1], gone)
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    # -- state ----------------------------------------------------------------------
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self._dead is None and not self._draining
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        return self._unqueued + self._waiting
+
+    # -- commands (from the event loop) ---------------------------------------------
+    def _send(self, msg) -> None:
+        data = self._encoder.encode(msg)
+        with self._lock:
+            self._to_core.send(data, copy=False)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               cache_salt: str | None = None, deadline: float | None = None,
+               keepalive_s: float | None = None, scheduling: dict | None = None,
+               queue_wait_s: float | None = None):
+        """As AsyncEngine.submit."""
+        if self._dead is not None:
+            raise EngineDeadError("the engine stopped; the server is restarting")
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        added: asyncio.Future = loop.create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        self._adds[request_id] = (loop, added)
+        with self._lock:
+            self._unqueued += params.n
+        self._send(Add(request_id, prompt, pickle.dumps((params, cache_salt, scheduling or {}, queue_wait_s))))
+        return added, iterate(self, request_id, queue, deadline, keepalive_s)
+
+    def abort(self, request_id: str) -> None:
+        if self._dead is None and not self._stopping:
+            self._send(Abort(request_id))
+
+    def begin_drain(self, grace_s: float) -> None:
+        self._draining = True
+        if self._dead is None:
+            self._send(Drain(grace_s))
+
+    async def _call(self, name: str, *args):
+        if self._dead is not None:
+            raise EngineDeadError("the engine stopped; the server is restarting")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        with self._lock:
+            call_id = self._next_call
+            self._next_call += 1
+        self._calls[call_id] = (loop, done)
+        self._send(Call(call_id, name, pickle.dumps(args)))
+        return await done
+
+    async def reset_prefix_cache(self) -> int:
+        return await self._call("reset_prefix_cache")
+
+    async def release_session(self, session_id: str, tenant: str | None) -> int | None:
+        return await self._call("release_session", session_id, tenant)
+
+    def note_tool_calls(self, session_id: str, names: list[str], tenant: str | None) -> None:
+        if self._dead is None:
+            self._send(Call(0, "note_tool_calls", pickle.dumps((session_id, names, tenant))))
+
+    async def render_metrics(self, metrics) -> bytes:
+        """The core's Prometheus text (its Metrics observe the engine where it runs), with
+        this server's rate-limit refusals."""
+        refused = metrics.quotas.refused() if metrics.quotas is not None else {}
+        return await self._call("render_metrics", refused)
+
+    async def dashboard_snapshot(self, metrics) -> dict:
+        return await self._call("dashboard")
+
+    async def call(self, fn):
+        raise RuntimeError("running a function in the engine is not possible across the engine-core process "
+                           "boundary")
+
+    # -- what the core sends (the reader thread) --------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._from_core.recv(copy=False).buffer
+            except zmq.ZMQError:  # closed at shutdown
+                return
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.DecodeError:
+                logger.exception("an undecodable message from the engine core")
+                continue
+            if isinstance(msg, Outputs):
+                self._waiting = msg.waiting
+                batches: dict[asyncio.AbstractEventLoop, list] = {}
+                for out in msg.outputs:
+                    item = self._streams.pop(out.request_id, None) if out.finished else \
+                        self._streams.get(out.request_id)
+                    if item is not None:
+                        batches.setdefault(item[0], []).append((item[1], out))
+                for loop, items in batches.items():
+                    loop.call_soon_threadsafe(_deliver, items)
+            elif isinstance(msg, Added):
+                with self._lock:
+                    self._unqueued -= msg.n
+                    self._waiting = msg.waiting
+                item = self._adds.pop(msg.request_id, None)
+                if msg.error is not None:
+                    self._streams.pop(msg.request_id, None)
+                if item is not None:
+                    if msg.error is not None:
+                        item[0].call_soon_threadsafe(_set_exception, item[1], rebuild_error(msg.error))
+                    else:
+                        item[0].call_soon_threadsafe(_set_result, item[1], msg.prompt_token_ids)
+            elif isinstance(msg, Ended):
+                item = self._streams.pop(msg.request_id, None)
+                if item is not None:
+                    item[0].call_soon_threadsafe(item[1].put_nowait, rebuild_error(msg.error))
+            elif isinstance(msg, Result):
+                item = self._calls.pop(msg.call_id, None)
+                if item is not None:
+                    if msg.error is not None:
+                        item[0].call_soon_threadsafe(_set_exception, item[1], rebuild_error(msg.error))
+                    else:
+                        item[0].call_soon_threadsafe(_set_result, item[1], pickle.loads(msg.payload))
+            elif isinstance(msg, Dead):
+                self._die(EngineDeadError(f"{msg.error.kind}: {msg.error.message}"))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
