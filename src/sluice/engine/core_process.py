@@ -355,6 +355,7 @@ class EngineCoreClient:
         self._dead: BaseException | None = None
         self._draining = False
         self._stopping = False
+        self._closing = False
         self._dir: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------
@@ -397,7 +398,8 @@ class EngineCoreClient:
             self._close()
             raise rebuild_error(msg.error)
         self.engine = EngineView(pickle.loads(msg.payload))
-        threading.Thread(target=self._read, name="sluice-core-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="sluice-core-reader", daemon=True)
+        self._reader.start()
         threading.Thread(target=self._watch, name="sluice-core-watch", daemon=True).start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -418,7 +420,13 @@ class EngineCoreClient:
         self._close()
 
     def _close(self) -> None:
-        for sock in (getattr(self, "_to_core", None), getattr(self, "_from_core", None)):
+        # The reader thread owns the output socket once started (a ZeroMQ socket is used by
+        # one thread): it sees _closing within a poll and closes it; then the context ends.
+        self._closing = True
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5)
+        for sock in (getattr(self, "_to_core", None), None if reader is not None else getattr(self, "_from_core", None)):
             if sock is not None:
                 sock.close(linger=0)
         if getattr(self, "_ctx", None) is not None:
@@ -538,51 +546,57 @@ class EngineCoreClient:
 
     # -- what the core sends (the reader thread) --------------------------------------
     def _read(self) -> None:
-        while True:
-            try:
-                data = self._from_core.recv(copy=False).buffer
-            except zmq.ZMQError:  # closed at shutdown
-                return
-            try:
-                msg = self._decoder.decode(data)
-            except msgspec.DecodeError:
-                logger.exception("an undecodable message from the engine core")
-                continue
-            if isinstance(msg, Outputs):
+        sock = self._from_core
+        try:
+            while not self._closing:
+                if sock.poll(200):  # returns as soon as a message is there
+                    self._handle(sock.recv(copy=False).buffer)
+        finally:
+            sock.close(linger=0)
+
+    def _handle(self, data) -> None:
+        """One message from the core, in the reader thread: streams and callers are answered on
+        their event loops."""
+        try:
+            msg = self._decoder.decode(data)
+        except msgspec.DecodeError:
+            logger.exception("an undecodable message from the engine core")
+            return
+        if isinstance(msg, Outputs):
+            self._waiting = msg.waiting
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
+            for out in msg.outputs:
+                item = self._streams.pop(out.request_id, None) if out.finished else \
+                    self._streams.get(out.request_id)
+                if item is not None:
+                    batches.setdefault(item[0], []).append((item[1], out))
+            for loop, items in batches.items():
+                loop.call_soon_threadsafe(_deliver, items)
+        elif isinstance(msg, Added):
+            with self._lock:
+                self._unqueued -= msg.n
                 self._waiting = msg.waiting
-                batches: dict[asyncio.AbstractEventLoop, list] = {}
-                for out in msg.outputs:
-                    item = self._streams.pop(out.request_id, None) if out.finished else \
-                        self._streams.get(out.request_id)
-                    if item is not None:
-                        batches.setdefault(item[0], []).append((item[1], out))
-                for loop, items in batches.items():
-                    loop.call_soon_threadsafe(_deliver, items)
-            elif isinstance(msg, Added):
-                with self._lock:
-                    self._unqueued -= msg.n
-                    self._waiting = msg.waiting
-                item = self._adds.pop(msg.request_id, None)
+            item = self._adds.pop(msg.request_id, None)
+            if msg.error is not None:
+                self._streams.pop(msg.request_id, None)
+            if item is not None:
                 if msg.error is not None:
-                    self._streams.pop(msg.request_id, None)
-                if item is not None:
-                    if msg.error is not None:
-                        item[0].call_soon_threadsafe(_set_exception, item[1], rebuild_error(msg.error))
-                    else:
-                        item[0].call_soon_threadsafe(_set_result, item[1], msg.prompt_token_ids)
-            elif isinstance(msg, Ended):
-                item = self._streams.pop(msg.request_id, None)
-                if item is not None:
-                    item[0].call_soon_threadsafe(item[1].put_nowait, rebuild_error(msg.error))
-            elif isinstance(msg, Result):
-                item = self._calls.pop(msg.call_id, None)
-                if item is not None:
-                    if msg.error is not None:
-                        item[0].call_soon_threadsafe(_set_exception, item[1], rebuild_error(msg.error))
-                    else:
-                        item[0].call_soon_threadsafe(_set_result, item[1], pickle.loads(msg.payload))
-            elif isinstance(msg, Dead):
-                self._die(EngineDeadError(f"{msg.error.kind}: {msg.error.message}"))
+                    item[0].call_soon_threadsafe(_set_exception, item[1], rebuild_error(msg.error))
+                else:
+                    item[0].call_soon_threadsafe(_set_result, item[1], msg.prompt_token_ids)
+        elif isinstance(msg, Ended):
+            item = self._streams.pop(msg.request_id, None)
+            if item is not None:
+                item[0].call_soon_threadsafe(item[1].put_nowait, rebuild_error(msg.error))
+        elif isinstance(msg, Result):
+            item = self._calls.pop(msg.call_id, None)
+            if item is not None:
+                if msg.error is not None:
+                    item[0].call_soon_threadsafe(_set_exception, item[1], rebuild_error(msg.error))
+                else:
+                    item[0].call_soon_threadsafe(_set_result, item[1], pickle.loads(msg.payload))
+        elif isinstance(msg, Dead):
+            self._die(EngineDeadError(f"{msg.error.kind}: {msg.error.message}"))
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
