@@ -30,6 +30,11 @@
 #   ONLY [all]  FORCE_CLOSE [1: a new connection per request, see below]
 #   EXTRA_CONFIGS [none: more "name|command" entries, one a line, run after the others]
 #   DRY_RUN [unset; set: print each configuration's command and exit, no lock taken]
+#   GUIDELLM [0; 1: after our client, guidellm 0.8.1 (benchmarks/guidellm_run.sh; its venv
+#            and the model's HF folder beforehand) at the same two concurrencies and counts,
+#            reports in $OUTDIR/<name>_r<round>_g<conc>.json]
+#   CLIENT_CPUS [1: the clients' cores (taskset) for a configuration whose name ends in
+#               "_pinned"; its command pins the server itself, e.g. "taskset -c 0 ..."]
 #   SLUICE_CONFIGS ["--cpu-isa avx2;--cpu-isa avx2 --quantization w8a8;
 #                    --cpu-isa avx2 --quantization int8"]  (';'-separated flag strings
 #                   for `sluice serve`; an empty entry or "default" is sluice's defaults,
@@ -143,11 +148,14 @@ trap stop_server EXIT
 # its pool first and its next request on it fails ("ClientOSError: Can not write request
 # body"): 2 of 6 requests at c1 and 2 of 6 at c2 in a check without this, none with it. A
 # new localhost connection per request costs well under a millisecond.
+GUIDELLM=${GUIDELLM:-0}
+CLIENT_CPUS=${CLIENT_CPUS:-1}
+PIN=()   # the clients' taskset, set per configuration
 bench() {  # OUT.json CONCURRENCY REQUESTS OUTPUT_LEN SEED
     local extra=()
     [ "$FORCE_CLOSE" = 1 ] && extra=(--new-connections)
     [ -n "${EXTRA_BODY:-}" ] && extra+=(--extra-body "$EXTRA_BODY")
-    .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" "${extra[@]}" \
+    ${PIN[@]+"${PIN[@]}"} .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" "${extra[@]}" \
         --concurrency "$2" --requests "$3" --input-len "$INPUT_LEN" --output-len "$4" --seed "$5" --json "$1" \
         --workload "$WORKLOAD" --model "$BENCH_MODEL" --tokenizer "$BENCH_MODEL"
 }
@@ -159,6 +167,7 @@ FAILED=0
 for round in $(seq 1 "$ROUNDS"); do
     for c in "${CONFIGS[@]}"; do
         name=${c%%|*}; cmd=${c#*|}
+        PIN=(); [[ "$name" == *_pinned ]] && PIN=(taskset -c "$CLIENT_CPUS")
         srvlog=$OUTDIR/${name}_r${round}.log
         log "round $round: $name: $(eval echo "$cmd")"
         bash -c "exec $cmd" > "$srvlog" 2>&1 &
@@ -185,6 +194,17 @@ for round in $(seq 1 "$ROUNDS"); do
                 log "$name c$conc: some requests failed (see $out)"; FAILED=1
             fi
         done
+        if [ "$GUIDELLM" = 1 ]; then
+            for run in "$C_HIGH $R_HIGH" "$C_LOW $R_LOW"; do
+                read -r conc reqs <<< "$run"
+                out=$OUTDIR/${name}_r${round}_g${conc}.json
+                if ! URL="http://127.0.0.1:$PORT" CONC=$conc REQUESTS=$reqs OUT=$out QUIET=1 \
+                        PROMPT_TOKENS=$INPUT_LEN OUTPUT_TOKENS=$OUTPUT_LEN PIN_CLIENT="${PIN[2]:-}" \
+                        bash benchmarks/guidellm_run.sh > "$OUTDIR/${name}_r${round}_g${conc}.log" 2>&1; then
+                    log "$name guidellm c$conc failed (see ${out%.json}.log)"; FAILED=1
+                fi
+            done
+        fi
         grep VmHWM "/proc/$SERVER/status" >> "$srvlog" 2>/dev/null || true
         stop_server
     done
