@@ -5,8 +5,9 @@ SSE; the engine-core process runs the scheduler, the runner and the output proce
 AsyncEngine: its engine thread and its command queue, as in one process). The two talk
 over two ZeroMQ PUSH/PULL sockets on IPC paths, every message a msgspec msgpack struct:
 a request's sampling parameters travel pickled (once per request), a step's outputs as
-typed msgpack (once per step, all of them in one message), so the engine never waits on
-the server's event loop for the GIL, and the server never waits on the engine's step.
+typed msgpack deltas (once per step, all of them in one message, each request's new
+tokens and text only), so the engine never waits on the server's event loop for the
+GIL, and the server never waits on the engine's step.
 
 What crosses, and how the server's guarantees hold across it:
 - add / abort: the server's streams, deadlines and keep-alive ticks stay in its process;
@@ -45,7 +46,8 @@ from sluice.engine.async_engine import (EngineDeadError, QueueTimeoutError, Requ
                                         ShuttingDownError, iterate)
 from sluice.engine.llm_engine import EngineAsleepError, EngineBusyError
 from sluice.engine.request_checks import RequestChecks
-from sluice.outputs import RequestOutput
+from sluice.outputs import CompletionOutput, RequestOutput, RequestTimes
+from sluice.request import Logprob
 from sluice.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,8 +108,37 @@ class Added(msgspec.Struct, tag="added", array_like=True):
     waiting: int
 
 
+class SampleDelta(msgspec.Struct, array_like=True):
+    """One sample's news since the request's last message (text, token ids and logprobs
+    only grow: held-back text is never shown before it is final)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Union[list[dict[int, Logprob]], None]
+    finish_reason: Union[str, None]
+    stop_reason: Union[int, str, None]
+
+
+class OutputDelta(msgspec.Struct, array_like=True):
+    """A RequestOutput as what changed since the last one sent: its prompt and prompt ids
+    in the first only, its prompt logprobs until they are complete. A step's message so
+    costs what the step made, not the requests' whole histories."""
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    times: Union[RequestTimes, None]
+    num_cached_tokens: int
+    error: Union[str, None]
+    weight_version: str
+    first: bool
+    prompt: Union[str, None] = None
+    prompt_token_ids: Union[list[int], None] = None
+    tenant: str = ""
+    prompt_logprobs: Union[list[Union[dict[int, Logprob], None]], None] = None
+
+
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: list[RequestOutput]
+    outputs: list[OutputDelta]
     waiting: int
 
 
@@ -172,19 +203,53 @@ class _CoreStream:
 
 class _CoreSink:
     """What the core's engine thread delivers, sent to the server: a step's outputs in one
-    message, a request's end by error, a request's admission, a call's result."""
+    message (as deltas), a request's end by error, a request's admission, a call's result."""
 
     def __init__(self, sender: _Sender, engine):
         self.sender, self.engine = sender, engine
+        # Per open request: each sample's (text, token ids, logprobs) lengths already sent,
+        # and whether its complete prompt logprobs went. Touched by the engine thread only.
+        self._sent: dict[str, list[tuple[int, int, int]]] = {}
+        self._prompt_done: set[str] = set()
 
     def put(self, stream: _CoreStream, item) -> None:
         if isinstance(item, BaseException):
+            self._forget(stream.request_id)
             self.sender.send(Ended(stream.request_id, error_info(item)))
         else:
-            self.sender.send(Outputs([item], self.engine.num_waiting_seqs))
+            self.sender.send(Outputs([self._delta(item)], self.engine.num_waiting_seqs))
 
     def deliver(self, items) -> None:
-        self.sender.send(Outputs([out for _, out in items], self.engine.num_waiting_seqs))
+        self.sender.send(Outputs([self._delta(out) for _, out in items], self.engine.num_waiting_seqs))
+
+    def _forget(self, rid: str) -> None:
+        self._sent.pop(rid, None)
+        self._prompt_done.discard(rid)
+
+    def _delta(self, out: RequestOutput) -> OutputDelta:
+        rid = out.request_id
+        sent = self._sent.get(rid)
+        first = sent is None
+        if first:
+            sent = self._sent[rid] = [(0, 0, 0)] * len(out.outputs)
+        samples = []
+        for i, c in enumerate(out.outputs):
+            t, k, n = sent[i]
+            lp = c.logprobs
+            samples.append(SampleDelta(c.index, c.text[t:], c.token_ids[k:], None if lp is None else lp[n:],
+                                       c.finish_reason, c.stop_reason))
+            sent[i] = (len(c.text), len(c.token_ids), 0 if lp is None else len(lp))
+        pl = out.prompt_logprobs
+        if pl is not None and rid not in self._prompt_done:
+            if all(e is not None for e in pl[1:]):
+                self._prompt_done.add(rid)
+        else:
+            pl = None
+        if out.finished:
+            self._forget(rid)
+        return OutputDelta(rid, samples, out.finished, out.times, out.num_cached_tokens, out.error,
+                           out.weight_version, first, out.prompt if first else None,
+                           out.prompt_token_ids if first else None, out.tenant if first else "", pl)
 
     def settle(self, token, value=None, error: BaseException | None = None) -> None:
         kind, key, n = token
@@ -348,6 +413,7 @@ class EngineCoreClient:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._outs: dict[str, RequestOutput] = {}   # open requests' outputs so far (reader thread)
         self._next_call = 1
         self._lock = threading.Lock()   # the input socket, the counts below
         self._unqueued = 0              # sequences sent, not yet acknowledged
@@ -545,6 +611,30 @@ class EngineCoreClient:
                            "boundary")
 
     # -- what the core sends (the reader thread) --------------------------------------
+    def _apply(self, d: OutputDelta) -> RequestOutput:
+        """The request's whole output so far, as the engine made it: the last one sent
+        plus this delta (new lists: a consumer may still hold the previous output)."""
+        prev = self._outs.get(d.request_id) if not d.first else None
+        if prev is None:
+            samples = [CompletionOutput(s.index, s.text, s.token_ids, s.finish_reason, s.stop_reason, s.logprobs)
+                       for s in d.samples]
+            out = RequestOutput(d.request_id, d.prompt, d.prompt_token_ids or [], samples, d.finished, d.times,
+                                d.num_cached_tokens, d.prompt_logprobs, d.error, d.tenant, d.weight_version)
+        else:
+            samples = [CompletionOutput(p.index, p.text + s.text, p.token_ids + s.token_ids, s.finish_reason,
+                                        s.stop_reason,
+                                        None if s.logprobs is None else (p.logprobs or []) + s.logprobs)
+                       for p, s in zip(prev.outputs, d.samples)]
+            out = RequestOutput(d.request_id, prev.prompt, prev.prompt_token_ids, samples, d.finished, d.times,
+                                d.num_cached_tokens,
+                                d.prompt_logprobs if d.prompt_logprobs is not None else prev.prompt_logprobs,
+                                d.error, prev.tenant, d.weight_version)
+        if d.finished:
+            self._outs.pop(d.request_id, None)
+        else:
+            self._outs[d.request_id] = out
+        return out
+
     def _read(self) -> None:
         sock = self._from_core
         try:
@@ -565,7 +655,8 @@ class EngineCoreClient:
         if isinstance(msg, Outputs):
             self._waiting = msg.waiting
             batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for out in msg.outputs:
+            for delta in msg.outputs:
+                out = self._apply(delta)
                 item = self._streams.pop(out.request_id, None) if out.finished else \
                     self._streams.get(out.request_id)
                 if item is not None:
@@ -585,6 +676,7 @@ class EngineCoreClient:
                 else:
                     item[0].call_soon_threadsafe(_set_result, item[1], msg.prompt_token_ids)
         elif isinstance(msg, Ended):
+            self._outs.pop(msg.request_id, None)
             item = self._streams.pop(msg.request_id, None)
             if item is not None:
                 item[0].call_soon_threadsafe(item[1].put_nowait, rebuild_error(msg.error))

@@ -128,16 +128,22 @@ class Sampler:
         if meta.min_p is not None:
             floor = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential race (Gumbel-max in another form): argmax(p / E), E ~ Exp(1),
-        # samples from p without normalising and without a host sync.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform u per row; the token is the first whose running sum of
+        # probabilities passes u times the row's total (no normalising, no host sync).
+        # One draw a row: an exponential race (argmax(p / E), E ~ Exp(1)) drew one per
+        # token, and torch's exponential_ takes ~0.75 ms for a row of 49k on a CPU core
+        # (24 ms of a 39 ms step at 32 sampled rows). The running sums are float64: 49k
+        # float32 terms can round by ~1e-3 of the total, which would move rare tokens'
+        # odds; a row's sums depend on that row alone, so seeded rows stay batch-invariant.
+        cum = probs.double().cumsum(dim=-1)
+        u = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
         shared = [i for i, g in enumerate(meta.generators) if g is None]
         if shared:
-            noise[shared] = noise[shared].exponential_(generator=self.generator)
+            u[shared] = u[shared].uniform_(generator=self.generator)
         for i, g in enumerate(meta.generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
-        sampled = self.argmax(probs / noise)
+                u[i].uniform_(generator=g)
+        sampled = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
         return torch.where(greedy_rows, greedy_ids, sampled)
 
 
