@@ -159,7 +159,22 @@ async def iterate(engine, request_id: str, queue: asyncio.Queue, deadline: float
             engine.abort(request_id)
 
 
-class AsyncEngine:
+class EngineState:
+    """Dead (gone for good) and accepting (neither dead nor draining), as the server asks
+    them of an AsyncEngine or of the engine-core process's client."""
+    _dead: BaseException | None = None
+    _draining: bool = False
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self._dead is None and not self._draining
+
+
+class AsyncEngine(EngineState):
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None,
                  on_dead: Callable[[BaseException], None] | None = None):
@@ -204,14 +219,6 @@ class AsyncEngine:
             self._ready.wait()
             if self._load_error is not None:
                 raise self._load_error
-
-    @property
-    def dead(self) -> bool:
-        return self._dead is not None
-
-    @property
-    def accepting(self) -> bool:
-        return self._dead is None and not self._draining
 
     @property
     def num_waiting_seqs(self) -> int:

@@ -42,8 +42,8 @@ from typing import Callable, Union
 import msgspec
 import zmq
 
-from sluice.engine.async_engine import (EngineDeadError, QueueTimeoutError, RequestFailedError, RequestTimeoutError,
-                                        ShuttingDownError, iterate)
+from sluice.engine.async_engine import (EngineDeadError, EngineState, QueueTimeoutError, RequestFailedError,
+                                        RequestTimeoutError, ShuttingDownError, _set_exception, _set_result, iterate)
 from sluice.engine.llm_engine import EngineAsleepError, EngineBusyError
 from sluice.engine.request_checks import RequestChecks
 from sluice.outputs import CompletionOutput, RequestOutput, RequestTimes
@@ -400,7 +400,7 @@ class EngineView:
         return self.checks.check(ids, params, lora), None
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineState):
     """The API server's handle on an engine-core process: AsyncEngine's interface (submit,
     abort, drain, shutdown, sessions, the waiting count) over the sockets."""
 
@@ -529,14 +529,6 @@ class EngineCoreClient:
             self.on_dead(error)
 
     # -- state ----------------------------------------------------------------------
-    @property
-    def dead(self) -> bool:
-        return self._dead is not None
-
-    @property
-    def accepting(self) -> bool:
-        return self._dead is None and not self._draining
-
     @property
     def num_waiting_seqs(self) -> int:
         return self._unqueued + self._waiting
@@ -694,13 +686,3 @@ class EngineCoreClient:
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
