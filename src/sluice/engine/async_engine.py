@@ -93,8 +93,7 @@ class LoopSink:
 @dataclass(eq=False)
 class _Stream:
     sink: LoopSink
-    queue: asyncio.Queue | None = None
-    request_id: str = ""
+    queue: asyncio.Queue
 
     def put(self, item) -> None:
         self.sink.put(self, item)
@@ -193,6 +192,7 @@ class AsyncEngine(EngineState):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._stop = False
         self._dead: BaseException | None = None
         # Guards what both threads change: the sequences sent but not yet queued by the
@@ -236,8 +236,15 @@ class AsyncEngine(EngineState):
         cache reset): its result, or what it raised."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self.enqueue_call(LoopSink(loop), done, fn)
+        self.enqueue_call(self._sink(loop), done, fn)
         return await done
+
+    def _sink(self, loop: asyncio.AbstractEventLoop) -> LoopSink:
+        """One sink per event loop, so that a step's outputs for that loop go in one call."""
+        sink = self._sinks.get(loop)
+        if sink is None:
+            sink = self._sinks[loop] = LoopSink(loop)
+        return sink
 
     def enqueue_call(self, sink, token, fn) -> None:
         """Run fn(engine) between two steps; its result or error goes to sink.settle(token)."""
@@ -273,7 +280,7 @@ class AsyncEngine(EngineState):
         it reached the engine is dropped, and its stream raises QueueTimeoutError."""
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
-        stream = _Stream(LoopSink(loop), asyncio.Queue(), request_id)
+        stream = _Stream(self._sink(loop), asyncio.Queue())
         self.enqueue(request_id, prompt, params, cache_salt, stream, added, scheduling, queue_wait_s)
         return added, iterate(self, request_id, stream.queue, deadline, keepalive_s)
 
@@ -490,17 +497,16 @@ class AsyncEngine(EngineState):
         # One call_soon_threadsafe per event loop per step, not one per request: each such
         # call wakes the loop through its self-pipe, and at c32 the 32 wake-ups a step cost
         # as many GIL hand-offs between the engine thread and the server's.
-        batches: dict[object, tuple[object, list[tuple[_Stream, RequestOutput]]]] = {}
+        batches: dict[object, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            key = getattr(stream.sink, "loop", stream.sink)
-            batches.setdefault(key, (stream.sink, []))[1].append((stream, out))
+            batches.setdefault(stream.sink, []).append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
                 self._finish_times.append(time.monotonic())
-        for sink, items in batches.values():
+        for sink, items in batches.items():
             sink.deliver(items)
 
 

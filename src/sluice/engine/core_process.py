@@ -280,7 +280,7 @@ def view_info(engine) -> dict:
             "model_path": engine.model_path, "vocab_size": engine.runner.vocab_size, "dtype": engine.dtype,
             "checks": engine.request_checks(), "lora_names": engine.lora_names(),
             "grammar": (grammars.vocab_size, grammars.cache_size, grammars.compile_timeout_s),
-            "weight_version": engine.weight_version, "backend": engine.backend.line()}
+            "weight_version": engine.weight_version}
 
 
 def core_main(engine_kwargs: dict, model_name: str, to_core: str, from_core: str, parent_pid: int,
@@ -388,7 +388,6 @@ class EngineView:
         self.weight_version = info["weight_version"]
         self.num_weight_updates = 0
         self.asleep = False
-        self.backend_line = info["backend"]
         vocab, cache_size, timeout = info["grammar"]
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids, vocab,
                                         cache_size=cache_size, compile_timeout_s=timeout)
