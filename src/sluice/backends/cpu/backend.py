@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,36 @@ class StackForward:
                                   meta.query_start_loc, meta.seq_lens, None if step is None else step.row_slot)
 
 
+# Where the kernels run the model, torch's small CPU tensors come from the kernels' free
+# lists (cpu_cache.cpp: a one-row step makes ~700 and glibc's frees and consolidations were
+# ~6% of its main thread). Once per process, never undone; benchmarks set this False (before
+# the first engine) to measure without.
+CPU_TENSOR_CACHE = True
+_cpu_cache_kernels = None  # the kernel module whose cache is installed
+_CPU_CACHE_LOCK = threading.Lock()
+
+
+def install_cpu_tensor_cache(k) -> None:
+    """Make torch's small CPU tensors come from kernel module k's free lists, once per
+    process (each ISA build is a module of its own, with its own cache: one is installed)."""
+    global _cpu_cache_kernels
+    with _CPU_CACHE_LOCK:
+        if _cpu_cache_kernels is None:
+            k.install_cpu_cache()
+            _cpu_cache_kernels = k
+
+
+def cpu_tensor_cache_bytes() -> int:
+    """Bytes held in the installed cache's free blocks (0 where none is installed)."""
+    return 0 if _cpu_cache_kernels is None else int(_cpu_cache_kernels.cpu_cache_bytes())
+
+
+def trim_cpu_tensor_cache() -> None:
+    """Free the installed cache's free blocks (it stays installed)."""
+    if _cpu_cache_kernels is not None:
+        _cpu_cache_kernels.trim_cpu_cache()
+
+
 def _linears(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
 
@@ -315,6 +346,8 @@ class CpuBackend(Backend):
 
     def __post_init__(self):
         k = self.model_kernels
+        if k is not None and CPU_TENSOR_CACHE:
+            install_cpu_tensor_cache(k)
         self.ops = KernelOps(k) if k is not None else DecodeKernelOps() if self.kernels is not None else TORCH_OPS
         # Prompt chunks join the decodes in one flat kernel call (and the layers run as one
         # C++ call) rather than SDPA per chunk: with our bf16 kernels it is faster at every

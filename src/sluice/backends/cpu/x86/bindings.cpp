@@ -80,6 +80,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack [N, K] Q6_K weights (q in 0..63, [N, K/16] int8 scales, [N, K/256] float32 scales) as (low nibbles, "
         "top bits, scales, d) for w4a8_linear (packed, nibbles, m, d)");
 
+  // cpu_cache.cpp
+  m.def("install_cpu_cache", &sluice::install_cpu_cache,
+        "torch's CPU tensors of up to 64 KB from size-class free lists (once per process); whether this call did it");
+  m.def("cpu_cache_bytes", &sluice::cpu_cache_bytes, "bytes the CPU tensor cache holds in free blocks");
+  m.def("trim_cpu_cache", &sluice::trim_cpu_cache, "free every block the CPU tensor cache holds");
+
   // argmax.cpp
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "structured outputs: logits[rows[r]] = -inf where bitmask[r] has a 0 bit, in place");

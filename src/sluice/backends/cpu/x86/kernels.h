@@ -19,6 +19,10 @@ at::Tensor argmax_rows(at::Tensor logits);
 void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 
 namespace sluice {
+// cpu_cache.cpp: torch's small CPU tensors from free lists (installed once per process).
+bool install_cpu_cache();
+int64_t cpu_cache_bytes();
+void trim_cpu_cache();
 // lora.cpp: each row's LoRA delta through its own adapter slot, added to y in place.
 void lora_sgmv(at::Tensor y, at::Tensor x, at::Tensor at_, at::Tensor bt, at::Tensor ranks, at::Tensor row_slot);
 // batch_invariant.cpp and w8a8.cpp: weights packed once at load for their linear kernels.
