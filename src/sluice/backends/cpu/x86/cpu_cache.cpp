@@ -8,7 +8,9 @@
 // in `perf`), and the OpenMP worker waits through it. Here a freed block of up to
 // kMaxBlock bytes goes on a free list of its size class and the next request of that
 // class takes it back: a lock, a vector pop. Bigger blocks, and blocks past the cache's
-// byte bound, go to the allocator that was installed before (torch's own).
+// byte bound, are allocated and freed as torch's own allocator does (posix_memalign, 64-byte
+// aligned): every block must be this allocator's, since raw_deallocate (oneDNN's scratch)
+// frees through one deleter with nothing but the data pointer.
 //
 // Contents: a reused block holds whatever its last tensor left, as a fresh block from
 // malloc does (torch's empty() promises nothing else); blocks this size never come
@@ -60,14 +62,15 @@ static_assert(sizeof(Header) <= kAlign, "the header fits before the aligned data
 
 class CachingCpuAllocator final : public c10::Allocator {
  public:
-  explicit CachingCpuAllocator(c10::Allocator* base) : base_(base) {}
+  CachingCpuAllocator() = default;
 
   c10::DataPtr allocate(size_t n) override {
-    if (n == 0 || n > kMaxBlock) return base_->allocate(n);
-    size_t rounded;
-    const int cls = size_class(n, &rounded);
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (n == 0) return {nullptr, nullptr, &release, cpu};
+    size_t rounded = n;
+    const int cls = n > kMaxBlock ? -1 : size_class(n, &rounded);  // -1: never cached
     void* block = nullptr;
-    {
+    if (cls >= 0) {
       std::lock_guard<std::mutex> lock(mu_);
       auto& list = free_[cls];
       if (!list.empty()) {
@@ -77,24 +80,28 @@ class CachingCpuAllocator final : public c10::Allocator {
       }
     }
     if (block == nullptr) {
-      block = std::aligned_alloc(kAlign, kAlign + rounded);
-      TORCH_CHECK(block != nullptr, "out of memory allocating ", n, " bytes");
+      TORCH_CHECK(posix_memalign(&block, kAlign, kAlign + rounded) == 0, "out of memory allocating ", n, " bytes");
       *static_cast<Header*>(block) = {cls, rounded};
     }
+    // Every block is this allocator's, big ones too, and the context is the data pointer
+    // itself: raw_allocate (oneDNN's scratch) asserts that, and raw_deallocate frees
+    // through raw_deleter with the data pointer alone. The header sits kAlign bytes before.
     void* data = static_cast<char*>(block) + kAlign;
-    return {data, block, &release, c10::Device(c10::DeviceType::CPU)};
+    return {data, data, &release, cpu};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
 
-  static void release(void* block) {
+  static void release(void* data) {
+    if (data == nullptr) return;
     CachingCpuAllocator* self = instance();
+    void* block = static_cast<char*>(data) - kAlign;
     const Header h = *static_cast<Header*>(block);
-    {
+    if (h.cls >= 0) {
       std::lock_guard<std::mutex> lock(self->mu_);
       if (self->cached_bytes_ + h.rounded <= kMaxCachedBytes) {
         self->free_[h.cls].push_back(block);
@@ -135,7 +142,6 @@ class CachingCpuAllocator final : public c10::Allocator {
   }
 
  private:
-  c10::Allocator* base_;
   std::mutex mu_;
   std::vector<void*> free_[kClasses];
   size_t cached_bytes_ = 0;
@@ -156,7 +162,7 @@ bool install_cpu_cache() {
       std::strcmp(typeid(*current).name(), typeid(CachingCpuAllocator).name()) == 0)
     return false;
   // Leaked on purpose: blocks it handed out may be freed during interpreter teardown.
-  auto* cache = new CachingCpuAllocator(current);
+  auto* cache = new CachingCpuAllocator();
   CachingCpuAllocator::instance() = cache;
   pthread_atfork(nullptr, nullptr, &CachingCpuAllocator::after_fork_in_child);
   c10::SetCPUAllocator(cache, /*priority=*/1);
