@@ -53,7 +53,8 @@ int size_class(size_t n, size_t* rounded) {
 }
 constexpr int kClasses = kSmallClasses + (16 - 10) * 4;  // to 2^16 = kMaxBlock
 
-// A cached block: a 64-byte header (its class and size) and then the tensor's bytes.
+// Every block: a 64-byte header (its class, -1 for blocks never cached, and its size) and
+// then the tensor's bytes.
 struct Header {
   int cls;
   size_t rounded;
