@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -195,17 +194,14 @@ class StackForward:
 # the first engine) to measure without.
 CPU_TENSOR_CACHE = True
 _cpu_cache_kernels = None  # the kernel module whose cache is installed
-_CPU_CACHE_LOCK = threading.Lock()
 
 
 def install_cpu_tensor_cache(k) -> None:
     """Make torch's small CPU tensors come from kernel module k's free lists, once per
     process (each ISA build is a module of its own, with its own cache: one is installed)."""
     global _cpu_cache_kernels
-    with _CPU_CACHE_LOCK:
-        if _cpu_cache_kernels is None:
-            k.install_cpu_cache()
-            _cpu_cache_kernels = k
+    if _cpu_cache_kernels is None and k.install_cpu_cache():  # True once per process
+        _cpu_cache_kernels = k
 
 
 def cpu_tensor_cache_bytes() -> int:
