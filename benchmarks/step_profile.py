@@ -127,6 +127,14 @@ def offline(args, gbps: float) -> tuple[list[dict], dict]:
     return rows, info
 
 
+def concurrencies(text: str) -> list[int]:
+    """'1,32' -> [1, 32]; each at least 1."""
+    values = [int(x) for x in text.split(",") if x]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"concurrencies must be at least 1, got {text!r}")
+    return values
+
+
 class _TimedOps:
     """The backend's ops with each call's wall time added to `spent` by op name."""
 
@@ -252,7 +260,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--cpu-isa", default="auto", help="kernel build: auto (the CPU's best), avx512, avx2_vnni, avx2")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
-    ap.add_argument("--served", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
+    ap.add_argument("--served", type=concurrencies, default=[1, 32],
+                    help="concurrencies to serve at, comma-separated ('' for none)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     args.quantization = None if args.quantization == "none" else args.quantization
