@@ -100,7 +100,7 @@ at::Tensor greedy_head(at::Tensor approx, at::Tensor x, at::Tensor packed, int64
   const int32_t* wp = reinterpret_cast<const int32_t*>(packed.data_ptr<at::BFloat16>());  // one pair per int32
   int64_t* op = out.data_ptr<int64_t>();
   const int kk = static_cast<int>(std::min<int64_t>(k, V));
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       alignas(64) int32_t idx[16] = {0};
       top_k(ap + r * V, V, kk, idx);
@@ -159,7 +159,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
   auto out = at::empty({B}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) o[b] = argmax_row(x + b * V, V);
   });
   return out;
@@ -182,7 +182,7 @@ void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows)
   float* lp = logits.data_ptr<float>();
   const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* x = lp + rp[r] * V;
       const uint32_t* m = mp + r * W;

@@ -273,17 +273,27 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::
                   bool out_float32) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   x = x.contiguous();
+  const bool out_f32 = out_float32 || x.scalar_type() != at::kBFloat16;
+  auto out = at::empty({x.size(0), N}, x.options().dtype(out_f32 ? at::kFloat : x.scalar_type()));
+  linear_into(x, packed, N, bias, out);
+  return out;
+}
+
+void linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [M, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "linear supports float32 and bfloat16");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == (bf16 ? (K + 1) / 2 : K),
               "packed weight does not match [N, K]");
+  const bool out_f32 = out.scalar_type() == at::kFloat;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+              (out_f32 || (bf16 && out.scalar_type() == at::kBFloat16)), "out must be [M, N] float32 (or bfloat16 for bfloat16 x)");
   const auto bias_f = float_or_empty(bias);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const bool out_f32 = out_float32 || !bf16;
-  auto out = at::empty({M, N}, x.options().dtype(out_f32 ? at::kFloat : x.scalar_type()));
-  if (M == 0) return out;
+  if (M == 0) return;
   if (bf16) {
     const PairWeights<uint16_t> w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), (K + 1) / 2};
     gemm(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, nullptr, bp, out_f32,
@@ -292,7 +302,6 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::
     const Float32Weights w{packed.data_ptr<float>(), K};
     gemm(w, x.data_ptr<float>(), M, K, N, nullptr, bp, true, out.data_ptr());
   }
-  return out;
 }
 
 // x: [M, K] bf16; packed from pack_weight_int8; scale: [N] per output column.
@@ -373,7 +382,7 @@ inline void rms_norm_row(const T* xr, const T* residual, T* sum, const W* w, T* 
 
 template <typename T, typename W>
 void rms_norm_impl(const T* x, const T* residual, T* sum, const W* w, T* y, int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       rms_norm_row<T, W>(x + r * n, residual ? residual + r * n : nullptr, sum ? sum + r * n : nullptr, w,
                          y + r * n, n, eps);
@@ -415,11 +424,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
                                                 double eps) {
   x = x.contiguous();
   residual = residual.contiguous();
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
   auto y = at::empty_like(x);
   auto sum = at::empty_like(x);
-  rms_norm_dispatch(x, &residual, &sum, weight.contiguous(), y, eps);
+  add_rms_norm_into(x, residual, weight.contiguous(), eps, y, sum);
   return {y, sum};
+}
+
+// The same into y and sum (sum may be residual itself: each element is read before it is
+// written).
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& y, at::Tensor& sum) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() && y.is_contiguous() &&
+              sum.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
+  TORCH_CHECK(y.sizes() == x.sizes() && sum.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() &&
+              sum.scalar_type() == x.scalar_type(), "outputs must match x");
+  rms_norm_dispatch(x, &residual, &sum, weight, y, eps);
 }
 
 // SwiGLU's elementwise half: gate_up [rows, 2I] -> T(T(silu(gate)) * up) [rows, I].
@@ -436,71 +456,95 @@ inline void silu_and_mul_row(const T* g, T* y, int64_t inter) {
 
 template <typename T>
 void silu_and_mul_impl(const T* gu, T* y, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) silu_and_mul_row<T>(gu + r * 2 * inter, y + r * inter, inter);
   });
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
   gate_up = gate_up.contiguous();
-  const int64_t two_i = gate_up.size(-1), rows = two_i ? gate_up.numel() / two_i : 0;
+  const int64_t two_i = gate_up.size(-1);
   TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
   auto sizes = gate_up.sizes().vec();
   sizes.back() = two_i / 2;
   auto y = at::empty(sizes, gate_up.options());
+  silu_and_mul_into(gate_up, y);
+  return y;
+}
+
+void silu_and_mul_into(const at::Tensor& gate_up, at::Tensor& y) {
+  const int64_t two_i = gate_up.size(-1), rows = two_i ? gate_up.numel() / two_i : 0;
+  TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
+  TORCH_CHECK(gate_up.is_contiguous() && y.is_contiguous() && y.scalar_type() == gate_up.scalar_type() &&
+              y.numel() == rows * (two_i / 2), "gate_up and y contiguous, y [rows, intermediate] of its dtype");
   if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_impl<float>(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, two_i / 2);
   } else {
     TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_and_mul supports float32 and bfloat16");
     silu_and_mul_impl<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, two_i / 2);
   }
-  return y;
 }
 
 // The fused producers of w8a8 activations: each row is made in a small buffer by
 // make(r, buffer) and quantized at once, instead of written out in bf16 and read back by
 // linear_w8a8.
 template <typename F>
-W8A8Rows quantize_as_made(int64_t rows, int64_t n, int64_t grain, const at::TensorOptions& options, const F& make) {
-  W8A8Rows out = w8a8_rows(rows, n, options);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+void quantize_as_made(W8A8Rows& out, int64_t rows, int64_t n, int64_t grain, const F& make) {
+  TORCH_CHECK(out.q.size(0) == rows && out.K == n, "quantized rows made for another shape");
+  sluice::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<at::BFloat16> y(n);
     for (int64_t r = begin; r < end; ++r) {
       make(r, y.data());
       w8a8_quantize_row(reinterpret_cast<const uint16_t*>(y.data()), out, r);
     }
   });
-  return out;
 }
 
 std::tuple<W8A8Rows, at::Tensor> add_rms_norm_w8a8(at::Tensor x, at::Tensor residual, at::Tensor weight,
                                                    double eps) {
-  using B = at::BFloat16;
   x = x.contiguous();
-  residual = residual.contiguous();
-  weight = weight.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [rows, n] bfloat16");
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
-  const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), "weight does not match x");
   auto sum = at::empty_like(x);
-  const B *xp = x.data_ptr<B>(), *rp = residual.data_ptr<B>(), *wp = weight.data_ptr<B>();
-  B* sp = sum.data_ptr<B>();
-  W8A8Rows out = quantize_as_made(rows, n, 16, x.options(), [&](int64_t r, B* y) {
-    rms_norm_row<B>(xp + r * n, rp + r * n, sp + r * n, wp, y, n, static_cast<float>(eps));
-  });
+  W8A8Rows out = w8a8_rows(x.size(0), x.size(1), x.options());
+  add_rms_norm_w8a8_into(x, residual.contiguous(), weight.contiguous(), eps, out, sum);
   return {out, sum};
 }
 
-W8A8Rows silu_and_mul_w8a8(at::Tensor gate_up) {
+// The same into out and sum (sum may be residual itself: each element is read before it
+// is written).
+void add_rms_norm_w8a8_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                            W8A8Rows& out, at::Tensor& sum) {
   using B = at::BFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [rows, n] bfloat16");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() && sum.is_contiguous(),
+              "contiguous tensors expected");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
+  TORCH_CHECK(sum.sizes() == x.sizes() && sum.scalar_type() == x.scalar_type(), "sum must match x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), "weight does not match x");
+  const B *xp = x.data_ptr<B>(), *rp = residual.data_ptr<B>(), *wp = weight.data_ptr<B>();
+  B* sp = sum.data_ptr<B>();
+  quantize_as_made(out, rows, n, 16, [&](int64_t r, B* y) {
+    rms_norm_row<B>(xp + r * n, rp + r * n, sp + r * n, wp, y, n, static_cast<float>(eps));
+  });
+}
+
+W8A8Rows silu_and_mul_w8a8(at::Tensor gate_up) {
   gate_up = gate_up.contiguous();
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16, "gate_up must be [rows, 2I] bfloat16");
+  W8A8Rows out = w8a8_rows(gate_up.size(0), gate_up.size(1) / 2, gate_up.options());
+  silu_and_mul_w8a8_into(gate_up, out);
+  return out;
+}
+
+void silu_and_mul_w8a8_into(const at::Tensor& gate_up, W8A8Rows& out) {
+  using B = at::BFloat16;
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous(),
+              "gate_up must be [rows, 2I] bfloat16, contiguous");
   const int64_t rows = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
   TORCH_CHECK(two_i % 2 == 0, "last dim must be 2 * intermediate");
   const B* gp = gate_up.data_ptr<B>();
-  return quantize_as_made(rows, inter, 8, gate_up.options(),
-                          [&](int64_t r, B* y) { silu_and_mul_row<B>(gp + r * two_i, y, inter); });
+  quantize_as_made(out, rows, inter, 8, [&](int64_t r, B* y) { silu_and_mul_row<B>(gp + r * two_i, y, inter); });
 }
 
 // RoPE (rotate-half form) on q and k of a fused QKV row, K and V written into the paged
@@ -523,7 +567,7 @@ inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t D) {
 template <typename T>
 void rope_write_kv_impl(const T* qkv, const T* cos, const T* sin, T* q_out, T* kc, T* vc, const int64_t* slots,
                         int64_t tokens, int64_t hq, int64_t hkv, int64_t D, int64_t cache_rows) {
-  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* row = qkv + t * (hq + 2 * hkv) * D;
       const T* c = cos + t * D;
@@ -544,7 +588,7 @@ void rope_write_kv_int8(const at::BFloat16* qkv, const at::BFloat16* cos, const 
                         at::BFloat16* q_out, uint8_t* kc, uint8_t* vc, const int64_t* slots, int64_t tokens,
                         int64_t hq, int64_t hkv, int64_t D, int64_t num_blocks, int64_t bs) {
   const int64_t bb = int8_block_bytes(bs, D);
-  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
     std::vector<at::BFloat16> k(D);
     for (int64_t t = begin; t < end; ++t) {
       const at::BFloat16* row = qkv + t * (hq + 2 * hkv) * D;
@@ -569,19 +613,35 @@ at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Ten
   qkv = qkv.contiguous();
   const bool int8_cache = k_cache.scalar_type() == at::kByte;
   const int64_t T = qkv.size(0), D = k_cache.size(3) - (int8_cache ? kInt8RowExtra : 0);
+  auto q = at::empty({T, num_heads, D}, qkv.options());
+  rope_write_kv_into(qkv, cos.reshape({T, D}).contiguous(), sin.reshape({T, D}).contiguous(), k_cache, v_cache,
+                     slot_mapping.to(at::kLong).contiguous(), num_heads, num_kv_heads, q);
+  return q;
+}
+
+// The same with cos and sin [T, D] and int64 slots, contiguous, q written into q_out
+// ([T, num_heads, D]).
+void rope_write_kv_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
+                        at::Tensor& q) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "qkv [T, (Hq + 2 Hkv) D] contiguous, caches [Hkv, blocks, block, D] contiguous");
+  const bool int8_cache = k_cache.scalar_type() == at::kByte;
+  const int64_t T = qkv.size(0), D = k_cache.size(3) - (int8_cache ? kInt8RowExtra : 0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv width");
   TORCH_CHECK(k_cache.size(0) == num_kv_heads, "cache kv heads");
-  cos = cos.reshape({T, D}).contiguous();
-  sin = sin.reshape({T, D}).contiguous();
-  auto slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "cos and sin [T, D] contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "int64 slots");
   TORCH_CHECK(slots.numel() == T, "one slot per token");
+  TORCH_CHECK(q.is_contiguous() && q.numel() == T * num_heads * D && q.scalar_type() == qkv.scalar_type(),
+              "q_out [T, heads, D] of qkv's dtype");
   TORCH_CHECK(!int8_cache || (D <= 512 && D % 4 == 0 && k_cache.size(2) % 16 == 0),
               "an int8 cache takes head_dim a multiple of 4 up to 512, blocks a multiple of 16 tokens");
   TORCH_CHECK((int8_cache ? qkv.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kByte
                           : qkv.scalar_type() == k_cache.scalar_type()) && cos.scalar_type() == qkv.scalar_type(),
               "dtypes differ (an int8 cache takes bf16 activations)");
   const int64_t cache_rows = k_cache.size(1) * k_cache.size(2);
-  auto q = at::empty({T, num_heads, D}, qkv.options());
   if (int8_cache) {
     using B = at::BFloat16;
     rope_write_kv_int8(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), q.data_ptr<B>(),
@@ -598,7 +658,6 @@ at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Ten
                           k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), slots.data_ptr<int64_t>(), T, num_heads,
                           num_kv_heads, D, cache_rows);
   }
-  return q;
 }
 
 }  // namespace sluice

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "team.h"
 
 namespace sluice {
 
@@ -45,16 +46,21 @@ struct StackLinear {
   // Whether the layer takes int8-quantized rows (W8A8Rows).
   bool quantized() const { return w8a8.defined() || w4a8.defined(); }
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (w4a8.defined()) return sluice::linear_w4a8(x, w4a8, w4d, w4m, n, bias, false, w4nib);
-    if (w8a8.defined()) return sluice::linear_w8a8(x, w8a8, qscale, n, bias, false);
-    if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows)
-      return sluice::linear_int8(x, q_packed, qscale, n, bias, false);
-    return sluice::linear(x, packed, n, bias, false);
+  // x @ W^T into out ([T, n] bf16); a layer that takes int8 rows quantizes x into xq
+  // first (linear_w4a8 and linear_w8a8 do the same).
+  void into(const at::Tensor& x, sluice::W8A8Rows& xq, at::Tensor& out) const {
+    if (quantized()) {
+      sluice::w8a8_quantize_into(x, xq);
+      into(xq, out);
+    } else if (q_packed.defined() && static_cast<double>(x.size(0)) <= int8_max_rows) {
+      out = sluice::linear_int8(x, q_packed, qscale, n, bias, false);
+    } else {
+      sluice::linear_into(x, packed, n, bias, out);
+    }
   }
-  at::Tensor operator()(const sluice::W8A8Rows& x) const {
-    if (w4a8.defined()) return sluice::linear_w4a8_rows(x, w4a8, w4d, w4m, n, bias, false, w4nib);
-    return sluice::linear_w8a8_rows(x, w8a8, qscale, n, bias, false);
+  void into(const sluice::W8A8Rows& x, at::Tensor& out) const {
+    if (w4a8.defined()) sluice::linear_w4a8_rows_into(x, w4a8, w4d, w4m, n, bias, w4nib, out);
+    else sluice::linear_w8a8_rows_into(x, w8a8, qscale, n, bias, out);
   }
 };
 
@@ -95,58 +101,109 @@ class DecoderStack {
   // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer;
   // row_slot: each row's LoRA slot (-1: none) in a step with adapters, else None.
   // Returns the final norm's output, as LlamaForCausalLM.forward does.
+  // The layers run in one thread team (team.h): one fork for the step, not one per
+  // kernel call.
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor query_start,
                      at::Tensor seq_lens, c10::optional<at::Tensor> row_slot) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache pair per layer");
-    const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
-    at::Tensor residual = x;
+    at::Tensor out;
+    Team::run(at::get_num_threads(), [&] {
+      out = layers(x, cos, sin, kv_caches, slot_mapping, block_tables, query_start, seq_lens, row_slot);
+    });
+    return out;
+  }
+
+ private:
+  // A step's activations, made once for all its layers: a one-row step's ~25 small
+  // tensors a layer cost about what its norms, RoPE and attention compute.
+  struct Buffers {
+    at::Tensor residual, h, qkv, q, attn, o, gate_up, act, mlp;
+    sluice::W8A8Rows hidden_q, heads_q, act_q;  // int8 rows of the hidden size, q_size, intermediate
+  };
+
+  at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start,
+                    const at::Tensor& seq_lens, const c10::optional<at::Tensor>& row_slot) const {
+    TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
+    const int64_t T = x.size(0), H = x.size(1), q_size = num_heads_ * head_dim_;
+    const auto opts = x.options();
+    Buffers b;
+    b.residual = at::empty({T, H}, opts);
+    b.h = at::empty({T, H}, opts);
+    b.q = at::empty({T, num_heads_, head_dim_}, opts);
+    b.attn = at::empty({T, num_heads_, head_dim_}, opts);
+    b.o = at::empty({T, H}, opts);
+    b.mlp = at::empty({T, H}, opts);
+    b.hidden_q = sluice::w8a8_rows(T, H, opts);
+    b.heads_q = sluice::w8a8_rows(T, q_size, opts);
+    const at::Tensor cos2 = cos.reshape({T, head_dim_}).contiguous(), sin2 = sin.reshape({T, head_dim_}).contiguous();
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const AttentionPlan plan = attention_plan(block_tables, query_start, seq_lens, T);
+    const at::Tensor heads = b.attn.view({T, q_size});
+
+    // The residual stream starts as x (the caller's, never written) and lives in
+    // b.residual from the first norm on.
+    const at::Tensor* residual = &x;
     at::Tensor h = sluice::rms_norm(x, layers_[0].input_norm, eps_);
     // A norm or SwiGLU whose output feeds a w8a8 layer quantizes its rows as it makes
     // them (the same bits as quantizing its bf16 output in the linear layer). Not in a step
     // with LoRA rows: the adapters' products take the bf16 rows the linear layers do.
     const bool lora = row_slot.has_value();
-    sluice::W8A8Rows hq;
-    bool quantized = false;
+    bool quantized = false;  // whether this layer's input is b.hidden_q (else h)
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
-      at::Tensor qkv = quantized ? l.qkv(hq) : l.qkv(h);
-      l.qkv.add_lora(qkv, h, row_slot);
-      at::Tensor q = sluice::rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_);
-      at::Tensor attn = paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale_);
-      at::Tensor heads = attn.reshape({T, q_size}).contiguous();
-      attn = l.o(heads);
-      l.o.add_lora(attn, heads, row_slot);
-      at::Tensor gate_up;
+      sized(b.qkv, T, l.qkv.n, opts);
+      if (quantized) l.qkv.into(b.hidden_q, b.qkv);
+      else l.qkv.into(h, b.hidden_q, b.qkv);
+      l.qkv.add_lora(b.qkv, h, row_slot);
+      sluice::rope_write_kv_into(b.qkv, cos2, sin2, k_cache, v_cache, slots, num_heads_, num_kv_heads_, b.q);
+      paged_attention_into(b.q, k_cache, v_cache, plan, scale_, 0, b.attn);
+      l.o.into(heads, b.heads_q, b.o);
+      l.o.add_lora(b.o, heads, row_slot);
+      sized(b.gate_up, T, l.gate_up.n, opts);
       if (l.gate_up.quantized() && !lora) {
-        sluice::W8A8Rows a;
-        std::tie(a, residual) = sluice::add_rms_norm_w8a8(attn, residual, l.post_attention_norm, eps_);
-        gate_up = l.gate_up(a);
+        sluice::add_rms_norm_w8a8_into(b.o, *residual, l.post_attention_norm, eps_, b.hidden_q, b.residual);
+        l.gate_up.into(b.hidden_q, b.gate_up);
       } else {
-        std::tie(h, residual) = sluice::add_rms_norm(attn, residual, l.post_attention_norm, eps_);
-        gate_up = l.gate_up(h);
-        l.gate_up.add_lora(gate_up, h, row_slot);
+        sluice::add_rms_norm_into(b.o, *residual, l.post_attention_norm, eps_, b.h, b.residual);
+        h = b.h;
+        l.gate_up.into(h, b.hidden_q, b.gate_up);
+        l.gate_up.add_lora(b.gate_up, h, row_slot);
       }
-      at::Tensor mlp;
+      residual = &b.residual;
+      const int64_t inter = l.gate_up.n / 2;
+      if (!b.act_q.q.defined() || b.act_q.K != inter) b.act_q = sluice::w8a8_rows(T, inter, opts);
       if (l.down.quantized() && !lora) {
-        mlp = l.down(sluice::silu_and_mul_w8a8(gate_up));
+        sluice::silu_and_mul_w8a8_into(b.gate_up, b.act_q);
+        l.down.into(b.act_q, b.mlp);
       } else {
-        at::Tensor act = sluice::silu_and_mul(gate_up);
-        mlp = l.down(act);
-        l.down.add_lora(mlp, act, row_slot);
+        sized(b.act, T, inter, opts);
+        sluice::silu_and_mul_into(b.gate_up, b.act);
+        l.down.into(b.act, b.act_q, b.mlp);
+        l.down.add_lora(b.mlp, b.act, row_slot);
       }
       const bool last = i + 1 == layers_.size();
       const at::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
       quantized = !last && layers_[i + 1].qkv.quantized() && !lora;
-      if (quantized) std::tie(hq, residual) = sluice::add_rms_norm_w8a8(mlp, residual, next_norm, eps_);
-      else std::tie(h, residual) = sluice::add_rms_norm(mlp, residual, next_norm, eps_);
+      if (quantized) {
+        sluice::add_rms_norm_w8a8_into(b.mlp, b.residual, next_norm, eps_, b.hidden_q, b.residual);
+      } else {
+        sluice::add_rms_norm_into(b.mlp, b.residual, next_norm, eps_, b.h, b.residual);
+        h = b.h;
+      }
     }
     return h;
   }
 
- private:
+  // t as a [rows, cols] tensor: kept where it already is one.
+  static void sized(at::Tensor& t, int64_t rows, int64_t cols, const at::TensorOptions& opts) {
+    if (!t.defined() || t.size(0) != rows || t.size(1) != cols) t = at::empty({rows, cols}, opts);
+  }
+
   static StackLinear make(const LinearArgs& a) {
     StackLinear s;
     s.n = std::get<0>(a);

@@ -194,7 +194,7 @@ at::Tensor head_w8a7(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t 
   auto scales = at::empty({M, nblk}, x.options().dtype(at::kFloat));
   auto off = at::empty({M, nblk}, x.options().dtype(at::kInt));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row7(xp + r * K, K, q.data_ptr<int8_t>() + r * Kp, scales.data_ptr<float>() + r * nblk,
                     off.data_ptr<int32_t>() + r * nblk);

@@ -6,11 +6,23 @@
 #include "aten.h"
 
 #include <tuple>
+#include <vector>
 
 // paged_attention.cpp
 at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor query_start,
                                   at::Tensor seq_lens, double scale, int64_t window = 0);
+// What attention needs to know of a step's batch, the same for every layer: made once a
+// step by the decoder stack instead of once per layer.
+struct AttentionPlan {
+  at::Tensor bt, qs, lens;                // block tables, query starts, context lengths (int64)
+  std::vector<int64_t> tok_req, tok_len;  // each token's request (-1: padding) and context length
+};
+AttentionPlan attention_plan(const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                             int64_t T);
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t window);
+void paged_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const AttentionPlan& plan, double scale, int64_t window, at::Tensor& out);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale);
 // argmax.cpp
@@ -31,6 +43,8 @@ at::Tensor pack_weight_int8(at::Tensor q);
 at::Tensor w8a8_pack_weight(at::Tensor q);
 at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
                   bool out_float32);
+void linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& out);
 at::Tensor linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t N,
                        c10::optional<at::Tensor> bias, bool out_float32);
 // A bias (or nothing) as contiguous float32, undefined when absent.
@@ -53,8 +67,13 @@ W8A8Rows w8a8_rows(int64_t M, int64_t K, const at::TensorOptions& options);
 void w8a8_quantize_row(const uint16_t* x, W8A8Rows& rows, int64_t r);
 // Every row of x ([M, K] bf16), rows over threads.
 W8A8Rows w8a8_quantize(at::Tensor x);
+void w8a8_quantize_into(const at::Tensor& x, W8A8Rows& rows);  // into rows made by w8a8_rows
 at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor scale, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32);
+// The *_into entry points write a preallocated, contiguous output (the decoder stack's
+// buffers for a step): the same bits as the allocating ones, without a tensor per call.
+void linear_w8a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at::Tensor& scale, int64_t N,
+                           const c10::optional<at::Tensor>& bias, at::Tensor& out);
 // w4a8.cpp: 4-bit weights (Q4_1's form: per block of 32, a scale and a minimum) by the
 // same quantized activations.
 // nibbles: the same weights two to a byte (w4a8_pack_nibbles), read by steps of few rows.
@@ -72,6 +91,9 @@ at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32,
                             c10::optional<at::Tensor> nibbles = c10::nullopt);
+void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                           int64_t N, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& nibbles,
+                           at::Tensor& out);
 // q6k.cpp: Q6_K weights in their own form (6-bit q, an int8 scale per 16 k, a float per
 // 256 k) by the same quantized activations. The w4a8 entry points take them too, told
 // apart by their int8 scales (KernelWeight: w4a8 = low nibbles, w4nib = top bits,
@@ -88,11 +110,22 @@ at::Tensor head_w8a7(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_t 
 std::tuple<W8A8Rows, at::Tensor> add_rms_norm_w8a8(at::Tensor x, at::Tensor residual, at::Tensor weight,
                                                    double eps);
 W8A8Rows silu_and_mul_w8a8(at::Tensor gate_up);
+// (sum may be residual itself)
+void add_rms_norm_w8a8_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                            W8A8Rows& out, at::Tensor& sum);
+void silu_and_mul_w8a8_into(const at::Tensor& gate_up, W8A8Rows& out);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                                                 double eps);
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& y, at::Tensor& sum);
 at::Tensor silu_and_mul(at::Tensor gate_up);
+void silu_and_mul_into(const at::Tensor& gate_up, at::Tensor& y);
 at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                          at::Tensor v_cache, at::Tensor slot_mapping, int64_t num_heads,
                          int64_t num_kv_heads);
+// cos, sin [T, D] and slots int64, contiguous; q_out [T, num_heads, D].
+void rope_write_kv_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
+                        at::Tensor& q_out);
 }  // namespace sluice

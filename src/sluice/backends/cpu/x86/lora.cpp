@@ -183,7 +183,7 @@ void sgmv(W* y, const W* x, const W* at, const W* bt, const int32_t* ranks, cons
     std::vector<std::pair<int64_t, int64_t>> units;  // (group, unit)
     for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
       for (int64_t u = 0; u < units_of(groups[g]); ++u) units.emplace_back(g, u);
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    sluice::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf(scratch);
       for (int64_t i = begin; i < end; ++i) fn(groups[units[i].first], units[i].first, units[i].second, buf.data());
     });

@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -625,7 +626,7 @@ void attend_one_int8(const int8_t* qi, const float* qscale, const int32_t* qcorr
 template <typename MakeBody>
 void for_each_work(int64_t total, int64_t parts, int64_t num_kv_heads, const std::vector<int64_t>& tok_req,
                    const MakeBody& make_body) {
-  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+  sluice::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     auto body = make_body();
     for (int64_t part = part_begin; part < part_end; ++part)
       for (int64_t work = part; work < total; work += parts) {
@@ -650,6 +651,41 @@ void for_each_work(int64_t total, int64_t parts, int64_t num_kv_heads, const std
 at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor query_start,
                                   at::Tensor seq_lens, double scale, int64_t window) {
+  check_attention_inputs(q, k_cache, v_cache, window);
+  const AttentionPlan plan = attention_plan(block_tables, query_start, seq_lens, q.size(0));
+  auto out = at::empty_like(q);
+  paged_attention_into(q, k_cache, v_cache, plan, scale, window, out);
+  return out;
+}
+
+// Each token's request and context length, from the step's block tables, query starts and
+// context lengths: the same for every layer of a step.
+AttentionPlan attention_plan(const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                             int64_t T) {
+  AttentionPlan plan;
+  plan.bt = block_tables.to(at::kLong).contiguous();
+  plan.qs = query_start.to(at::kLong).contiguous();
+  plan.lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t num_reqs = plan.lens.size(0);
+  TORCH_CHECK(plan.qs.size(0) == num_reqs + 1 && plan.bt.size(0) == num_reqs, "one block table and length per request");
+  const int64_t* qsp = plan.qs.data_ptr<int64_t>();
+  const int64_t* lp = plan.lens.data_ptr<int64_t>();
+  TORCH_CHECK(qsp[num_reqs] <= T, "query_start past the batch");
+  // Per token: its request and its context length (position + 1).
+  plan.tok_req.assign(T, -1);
+  plan.tok_len.assign(T, 0);
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t q_len = qsp[b + 1] - qsp[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lp[b], "request computes more tokens than its context");
+    for (int64_t i = 0; i < q_len; ++i) {
+      plan.tok_req[qsp[b] + i] = b;
+      plan.tok_len[qsp[b] + i] = lp[b] - q_len + i + 1;
+    }
+  }
+  return plan;
+}
+
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [tokens, heads, dim], cache [kv_heads, blocks, block, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   const bool int8_cache = k_cache.scalar_type() == at::kByte;
@@ -661,30 +697,30 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
               "an int8 cache takes head_dim a multiple of 4, blocks a multiple of 16 tokens");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads not a multiple of kv heads");
   TORCH_CHECK(window >= 0, "window >= 0 (0: none)");
-  auto bt = block_tables.to(at::kLong).contiguous();
-  auto qs = query_start.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  const int64_t num_reqs = lens.size(0), T = q.size(0);
-  TORCH_CHECK(qs.size(0) == num_reqs + 1 && bt.size(0) == num_reqs, "one block table and length per request");
-  const int64_t* qsp = qs.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  TORCH_CHECK(qsp[num_reqs] <= T, "query_start past the batch");
-  // Per token: its request and its context length (position + 1).
-  std::vector<int64_t> tok_req(T, -1), tok_len(T, 0);
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t q_len = qsp[b + 1] - qsp[b];
-    TORCH_CHECK(q_len >= 0 && q_len <= lp[b], "request computes more tokens than its context");
-    for (int64_t i = 0; i < q_len; ++i) {
-      tok_req[qsp[b] + i] = b;
-      tok_len[qsp[b] + i] = lp[b] - q_len + i + 1;
-    }
-  }
-  auto out = at::zeros_like(q);
+}
+
+// Attention into out (q's shape and dtype) by a step's plan; rows of tokens that belong to
+// no request (padding) are zeroed.
+void paged_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const AttentionPlan& plan, double scale, int64_t window, at::Tensor& out) {
+  check_attention_inputs(q, k_cache, v_cache, window);
+  const int64_t T = q.size(0);
+  TORCH_CHECK(static_cast<int64_t>(plan.tok_req.size()) == T, "a plan made for another batch");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, q's shape and dtype");
+  const bool int8_cache = k_cache.scalar_type() == at::kByte;
+  const std::vector<int64_t>& tok_req = plan.tok_req;
+  const std::vector<int64_t>& tok_len = plan.tok_len;
+  const at::Tensor& bt = plan.bt;
+  const int64_t* qsp = plan.qs.data_ptr<int64_t>();
+  const int64_t row_bytes = q.size(1) * q.size(2) * static_cast<int64_t>(q.element_size());
+  for (int64_t t = 0; t < T; ++t)
+    if (tok_req[t] < 0) std::memset(static_cast<char*>(out.data_ptr()) + t * row_bytes, 0, row_bytes);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = bt.size(1);
   const float fscale = static_cast<float>(scale);
-  const int64_t total = T * num_kv_heads, parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  const int64_t total = T * num_kv_heads, parts = std::max<int64_t>(1, std::min<int64_t>(sluice::num_threads(), total));
   if (int8_cache) {
     // As run() below, on an int8 cache: each query head's row quantized as the cache's rows are.
     using B = c10::BFloat16;
@@ -733,7 +769,7 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
         for (int64_t i = 0; i < group * head_dim; ++i) op[row + i] = static_cast<B>(acc[i]);
       };
     });
-    return out;
+    return;
   }
   auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
@@ -790,7 +826,6 @@ at::Tensor paged_attention_varlen(at::Tensor q, at::Tensor k_cache, at::Tensor v
   } else {
     TORCH_CHECK(false, "paged_attention_varlen supports float32 and bfloat16");
   }
-  return out;
 }
 
 // Decodes only: one query token per sequence, i.e. the varlen case with query_start = 0..B.

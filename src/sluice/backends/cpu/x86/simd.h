@@ -8,6 +8,7 @@
 #pragma once
 
 #include "aten.h"
+#include "team.h"
 
 #include <algorithm>
 #include <atomic>
@@ -291,18 +292,18 @@ inline void write_int8_v(const T* x, int64_t D, uint8_t* block, int64_t off, int
 inline constexpr int64_t kBalanceRows = 8;
 template <typename F>
 void parallel_units(int64_t units, bool balance, const F& f) {
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), units);
-  if (nt <= 1 || at::in_parallel_region()) {
+  const int64_t nt = std::min<int64_t>(num_threads(), units);
+  if (nt <= 1 || in_parallel_region()) {
     f(0, units);
     return;
   }
   if (!balance) {
-    at::parallel_for(0, units, 1, f);
+    sluice::parallel_for(0, units, 1, f);
     return;
   }
   const int64_t share = units * 3 / 4 / nt;
   std::atomic<int64_t> next{share * nt};
-  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) f(t * share, (t + 1) * share);
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) f(u, u + 1);
   });
@@ -352,7 +353,7 @@ at::Tensor gather_rows(at::Tensor ids, int64_t rows, int64_t K, const at::Tensor
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "row out of range");
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t k = 0; k < K; ++k) op[t * K + k] = value(ip[t], k);
   });

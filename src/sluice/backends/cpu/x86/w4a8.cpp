@@ -461,6 +461,22 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
     TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
     return linear_q6k_rows(x, packed, *nibbles, d, m, N, bias, out_float32);
   }
+  auto out = at::empty({x.q.size(0), N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
+  linear_w4a8_rows_into(x, packed, d, m, N, bias, nibbles, out);
+  return out;
+}
+
+void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                           int64_t N, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& nibbles,
+                           at::Tensor& out) {
+  if (m.scalar_type() == at::kChar) {  // Q6_K's form: its own kernel allocates (not a hot path)
+    TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
+    out.copy_(linear_q6k_rows(x, packed, *nibbles, d, m, N, bias, out.scalar_type() == at::kFloat));
+    return;
+  }
+  const bool out_float32 = out.scalar_type() == at::kFloat;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.q.size(0) && out.size(1) == N &&
+              (out_float32 || out.scalar_type() == at::kBFloat16), "out must be [M, N] bfloat16 or float32");
   const int64_t M = x.q.size(0), Kp = padded_k(x.K), KS = Kp / 4, nblk = Kp / kBlock, NB = (N + kLanes - 1) / kLanes;
   const bool wide = packed.scalar_type() == at::kChar, five = packed.dim() == 5;
   // Nibbles at every row count where the byte layout was not kept (this build's choice
@@ -479,8 +495,7 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
               (m.numel() == d.numel() || (row_offsets && m.numel() == NB * kLanes)),
               "block scales and minimums packed by w4a8_pack_weight expected");
   const auto bias_f = float_or_empty(bias);
-  auto out = at::empty({M, N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return out;
+  if (M == 0) return;
   const uint8_t* w = use_nibbles ? nullptr : static_cast<const uint8_t*>(packed.data_ptr());
 #if defined(SLUICE_SIGN_TRICK)
   const Acts acts{x.q.data_ptr<int8_t>(), x.scales.data_ptr<float>(), x.bsums.data_ptr<float>(), Kp,
@@ -503,7 +518,7 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
         default: return block_cols<kRows, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
       }
     });
-    return out;
+    return;
   }
   if (five) {
     // One column group by kFiveRows rows: unpacking a step costs as much as a few of its
@@ -518,7 +533,7 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
           return block<kFiveRows, 1, false, false, true>(w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
       }
     });
-    return out;
+    return;
   }
   if (wide) {
     const float* moff = row_offsets ? wm : nullptr;
@@ -530,7 +545,7 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
           return block_cols<kRows, false, true>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf, moff);
       }
     });
-    return out;
+    return;
   }
   // As linear_w8a8_rows: threads split column panels, each reused by every row block.
   for_panels(M, NB, kCols, kRows, w, KS * kLanes * 4, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
@@ -540,7 +555,6 @@ at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, 
       default: return block_cols<kRows>(C, w, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
     }
   });
-  return out;
 }
 
 // x: [M, K] bf16, quantized per block of 32 as linear_w8a8 does; then linear_w4a8_rows.

@@ -456,15 +456,22 @@ at::Tensor w8a8_pack_weight(at::Tensor q) {
   return out;
 }
 
+void w8a8_quantize_into(const at::Tensor& x, W8A8Rows& rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "x must be [M, K] bfloat16, contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(rows.q.size(0) == M && rows.K == K, "quantized rows made for another shape");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  sluice::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) w8a8_quantize_row(xp + r * K, rows, r);
+  });
+}
+
 W8A8Rows w8a8_quantize(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  W8A8Rows rows = w8a8_rows(M, K, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) w8a8_quantize_row(xp + r * K, rows, r);
-  });
+  W8A8Rows rows = w8a8_rows(x.size(0), x.size(1), x.options());
+  w8a8_quantize_into(x, rows);
   return rows;
 }
 
@@ -480,14 +487,23 @@ at::Tensor linear_w8a8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_
 // region fewer than producing bf16 rows and quantizing them here).
 at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor scale, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32) {
+  auto out = at::empty({x.q.size(0), N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
+  linear_w8a8_rows_into(x, packed, scale, N, bias, out);
+  return out;
+}
+
+void linear_w8a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at::Tensor& scale, int64_t N,
+                           const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK(packed.scalar_type() == at::kByte, "weights packed by w8a8_pack_weight expected");
   const int64_t M = x.q.size(0), K = x.K, Kp = padded_k(K), KS = Kp / 4;
   TORCH_CHECK(packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == KS, "packed weight does not match [N, K]");
+  const bool out_float32 = out.scalar_type() == at::kFloat;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+              (out_float32 || out.scalar_type() == at::kBFloat16), "out must be [M, N] bfloat16 or float32");
   auto scale_f = scale.to(at::kFloat).contiguous();
   TORCH_CHECK(scale_f.numel() == N, "one scale per output column");
   const auto bias_f = float_or_empty(bias);
-  auto out = at::empty({M, N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return out;
+  if (M == 0) return;
   const uint8_t* w = packed.data_ptr<uint8_t>();
 #if defined(SLUICE_SIGN_TRICK)
   const Acts acts{x.q.data_ptr<int8_t>(), x.qabs.data_ptr<int8_t>(), x.boff.data_ptr<int32_t>(),
@@ -508,7 +524,6 @@ at::Tensor linear_w8a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor sca
                  default: return block_cols<kRows>(C, w, KS, acts, nb0, ws, bp, N, out_float32, op, m0, pf);
                }
              });
-  return out;
 }
 
 }  // namespace sluice
