@@ -256,6 +256,34 @@ def test_block_rows_read_back_4bit_weights_from_either_layout(k):
     assert torch.equal(k.w4a8_rows(ids, packed.new_empty(0), pd, pm, 96, nibbles), values[ids])
 
 
+@pytest.mark.parametrize("n,kdim,bias", [(200, 131, True), (576, 1536, False)])
+def test_float16_block_scales_give_the_float32_bits(k, n, kdim, bias):
+    """A Q4_1 file's scales and minimums are float16 values; kept as float16
+    (w4a8_half_scales) the nibble path reads half the scale bytes and computes the same
+    float32 products: the same bits at every row count, and w4a8_rows reads the same values.
+    Scales that are not all float16 values stay float32."""
+    g = torch.Generator().manual_seed(n * 3 + kdim)
+    nblk = -(-kdim // 32)
+    q = torch.randint(0, 16, (n, kdim), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, nblk, generator=g) * 0.01).half().float()
+    mn = (-torch.rand(n, nblk, generator=g) * 0.1).half().float()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(40, kdim, generator=g).to(torch.bfloat16)
+    packed, pd, pm = k.w4a8_pack_weight(q, d, mn)
+    nibbles = k.w4a8_pack_nibbles(packed)
+    hd, hm = k.w4a8_half_scales(pd, pm)
+    assert hd.dtype == torch.float16 and torch.equal(hd.float(), pd) and torch.equal(hm.float(), pm)
+    empty = packed.new_empty(0)
+    for m in (1, 2, 3, 4, 5, 8, 9, 40):
+        want = k.w4a8_linear(x[:m], empty, pd, pm, n, b, True, nibbles)
+        assert torch.equal(k.w4a8_linear(x[:m], empty, hd, hm, n, b, True, nibbles), want), m
+    ids = torch.tensor([n - 1, 0, 17, 17])
+    assert torch.equal(k.w4a8_rows(ids, empty, hd, hm, kdim, nibbles), k.w4a8_rows(ids, empty, pd, pm, kdim, nibbles))
+    assert k.w4a8_half_scales(pd + 1e-9, pm) is None      # not float16 values: kept as they are
+    with pytest.raises(RuntimeError, match="float16 ones only with nibbles"):
+        k.w4a8_linear(x[:1], packed, hd, hm, n, b, True)  # the byte layout reads float32 scales
+
+
 def test_quantize_4bit_finds_q4_1_values_again():
     """Values made as llama.cpp's Q4_1 stores them (f16 scale and minimum, q in 0..15, every
     block reaching 0 and 15), rounded to bf16: the same q, and scales within bf16 rounding."""

@@ -69,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scales and minimums (or one -offset per row) for w4a8_linear");
   m.def("w4a8_pack_nibbles", &sluice::w4a8_pack_nibbles,
         "the packed 4-bit weights two to a byte, which w4a8_linear reads for steps of few rows");
+  m.def("w4a8_half_scales", &sluice::w4a8_half_scales,
+        "w4a8_pack_weight's block scales and minimums as float16 where all are float16 values, else None");
   m.def("w4a8_nibble_max_rows", &sluice::w4a8_nibble_max_rows,
         "the most rows a step may have for w4a8_linear to read the nibbles (this build's choice)");
   m.def("w4a8_linear", &sluice::linear_w4a8,

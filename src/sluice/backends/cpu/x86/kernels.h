@@ -83,6 +83,7 @@ at::Tensor w4a8_pack_nibbles(at::Tensor packed);
 // five dimensions (the tag linear_w4a8_rows and w4a8_rows go by).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack_5bit(at::Tensor q, at::Tensor d, at::Tensor m);
 int64_t w4a8_nibble_max_rows();  // the most rows a step may have to read the nibbles
+c10::optional<std::tuple<at::Tensor, at::Tensor>> w4a8_half_scales(at::Tensor d, at::Tensor m);
 at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t K,
                      c10::optional<at::Tensor> nibbles);
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,

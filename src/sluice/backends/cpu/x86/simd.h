@@ -50,6 +50,16 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 lanes of float32 from float16 memory (exact: every float16 is a float32).
+inline __m512 load16(const c10::Half* p) {
+#if defined(SLUICE_AVX2)
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
+#else
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+}
+
 // acc += w . x over 4 k per lane, w unsigned bytes and x 4 signed bytes broadcast, for
 // operands whose pairs of products cannot saturate vpmaddubsw's int16 (w4a8's weights in
 // 0..15; head_w8a7's activations in -63..63): there AVX2 has it in two instructions and a

@@ -47,6 +47,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -213,19 +214,25 @@ inline void block_4x1_avx2(float*, const uint8_t*, const int8_t*, int64_t, const
 #endif
 
 // R rows x C groups of 16 columns over the whole of K, then the bias and the store.
-// wd, wm: [NB][nblk][16] block scales and minimums. Nib: w is nibble-packed (two steps a
+// wd, wm: [NB][nblk][16] block scales and minimums, float32, or (S = c10::Half, nibbles
+// only) float16 where every one is a float16 value: the same float32 arithmetic on the same
+// values, from two bytes a scale instead of four. Nib: w is nibble-packed (two steps a
 // vector, w4a8_pack_nibbles), else a byte a weight; the same sums either way. Wide: bytes
 // of q up to 254 (see the top of the file).
-template <int R, int C, bool Nib = false, bool Wide = false, bool Five = false>
-void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
+template <int R, int C, bool Nib = false, bool Wide = false, bool Five = false, typename S = float>
+void block(const uint8_t* w, int64_t KS, const S* wd, const S* wm, const Acts& x, int64_t nb0,
            const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf,
            const float* moff = nullptr) {
+  static_assert(std::is_same_v<S, float> || Nib, "float16 scales are read by the nibble path only");
   const int64_t Kp = x.Kp, nblk = Kp / kBlock;
   __m512 acc[R][C];
-  if (kAsmBlock && !Nib && !Wide && !Five && R == 4 && C == 1 && nblk > 0) {
+  bool asm_block = false;
+  if constexpr (std::is_same_v<S, float>) asm_block = kAsmBlock && !Nib && !Wide && !Five && R == 4 && C == 1 && nblk > 0;
+  if (asm_block) {
     alignas(64) float sums[R * kLanes] = {};
-    block_4x1_avx2(sums, w + nb0 * KS * kLanes * 4, x.q + m0 * Kp, Kp, x.scales + m0 * nblk, x.bsums + m0 * nblk,
-                   nblk, wd + nb0 * nblk * kLanes, wm + nb0 * nblk * kLanes, pf);
+    if constexpr (std::is_same_v<S, float>)
+      block_4x1_avx2(sums, w + nb0 * KS * kLanes * 4, x.q + m0 * Kp, Kp, x.scales + m0 * nblk, x.bsums + m0 * nblk,
+                     nblk, wd + nb0 * nblk * kLanes, wm + nb0 * nblk * kLanes, pf);
     for (int r = 0; r < R; ++r) acc[r][0] = _mm512_load_ps(sums + r * kLanes);
   } else {
     for (int r = 0; r < R; ++r)
@@ -291,11 +298,11 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
         const __m512 bs = _mm512_set1_ps(x.bsums[(m0 + r) * nblk + b]);
         for (int c = 0; c < C; ++c) {
           const int64_t at = ((nb0 + c) * nblk + b) * kLanes;
-          const __m512 dv = _mm512_loadu_ps(wd + at);
+          const __m512 dv = load16(wd + at);
           const __m512 t = _mm512_mul_ps(dv, sx);
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), t, acc[r][c]);
           const __m512 mv = ((Wide || Five) && moff) ? _mm512_mul_ps(dv, _mm512_loadu_ps(moff + (nb0 + c) * kLanes))
-                                           : _mm512_loadu_ps(wm + at);
+                                           : load16(wm + at);
           acc[r][c] = _mm512_fmadd_ps(mv, bs, acc[r][c]);
         }
       }
@@ -304,18 +311,18 @@ void block(const uint8_t* w, int64_t KS, const float* wd, const float* wm, const
   store_rows<R, C>(acc, bias, N, out_f32, out, m0, nb0);
 }
 
-template <int R, bool Nib = false, bool Wide = false, bool Five = false>
-void block_cols(int C, const uint8_t* w, int64_t KS, const float* wd, const float* wm, const Acts& x, int64_t nb0,
+template <int R, bool Nib = false, bool Wide = false, bool Five = false, typename S = float>
+void block_cols(int C, const uint8_t* w, int64_t KS, const S* wd, const S* wm, const Acts& x, int64_t nb0,
                 const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf,
                 const float* moff = nullptr) {
   if constexpr (kCols == 1) {  // one group at a time (the same sums, in the same order)
     for (int c = 0; c < C; ++c)
-      block<R, 1, Nib, Wide, Five>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf, moff);
+      block<R, 1, Nib, Wide, Five, S>(w, KS, wd, wm, x, nb0 + c, bias, N, out_f32, out, m0, pf, moff);
   } else {
     switch (C) {
-      case 1: return block<R, 1, Nib, Wide, Five>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
-      case 2: return block<R, 2, Nib, Wide, Five>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
-      default: return block<R, kCols, Nib, Wide, Five>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      case 1: return block<R, 1, Nib, Wide, Five, S>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      case 2: return block<R, 2, Nib, Wide, Five, S>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
+      default: return block<R, kCols, Nib, Wide, Five, S>(w, KS, wd, wm, x, nb0, bias, N, out_f32, out, m0, pf, moff);
     }
   }
 }
@@ -413,15 +420,19 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
   TORCH_CHECK(!five || packed.numel() == NB * nblk * kFiveBlockBytes, "5-bit weights made by w4a8_pack_5bit expected");
   TORCH_CHECK(bytes || five || nibbles.has_value(), "no weights to read");
   const bool row_offsets = m.dim() == 2;
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
+  const bool half = d.scalar_type() == at::kHalf;  // float16 scales (w4a8_half_scales)
+  TORCH_CHECK((d.scalar_type() == at::kFloat || (half && !row_offsets)) && m.scalar_type() == d.scalar_type() &&
+              d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
               (m.sizes() == d.sizes() || (row_offsets && m.numel() == NB * kLanes)) && m.is_contiguous(),
               "block scales and minimums packed by w4a8_pack_weight expected");
   const uint8_t* wb = bytes ? static_cast<const uint8_t*>(packed.data_ptr()) : nullptr;
   const uint8_t* wn = bytes || five ? nullptr : nibbles->data_ptr<uint8_t>();
   const uint8_t* w5 = five ? packed.data_ptr<uint8_t>() : nullptr;
   const int offset = wide ? kWideOffset : 0;
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
+  const float* dp = half ? nullptr : d.data_ptr<float>();
+  const float* mp = half ? nullptr : m.data_ptr<float>();
+  const c10::Half* hd = half ? d.data_ptr<c10::Half>() : nullptr;
+  const c10::Half* hm = half ? m.data_ptr<c10::Half>() : nullptr;
   return gather_rows(ids, NB * kLanes, K, d.options(), [&](int64_t n, int64_t k) {
     const int64_t nb = n / kLanes, lane = n % kLanes, step = k / 4;
     int q;
@@ -438,6 +449,7 @@ at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor
       q = step % 2 ? v >> 4 : v & 0x0F;
     }
     const int64_t at = (nb * nblk + k / kBlock) * kLanes + lane;
+    if (half) return static_cast<float>(q) * static_cast<float>(hd[at]) + static_cast<float>(hm[at]);
     const float mv = row_offsets ? dp[at] * mp[n] : mp[at];
     return static_cast<float>(q) * dp[at] + mv;
   });
@@ -454,6 +466,16 @@ at::Tensor w4a8_pack_nibbles(at::Tensor packed) {
 }
 
 int64_t w4a8_nibble_max_rows() { return kNibbleMaxRows; }
+
+// Block scales and minimums packed by w4a8_pack_weight as float16, where every one of them
+// is a float16 value (a GGUF's Q4_0 / Q4_1 blocks, w4a8's own fit), else None: a quarter of
+// the bytes a 4-bit weight costs (0.625 bytes a weight against 0.75) with the same values.
+c10::optional<std::tuple<at::Tensor, at::Tensor>> w4a8_half_scales(at::Tensor d, at::Tensor m) {
+  if (d.scalar_type() != at::kFloat || m.scalar_type() != at::kFloat || m.sizes() != d.sizes()) return c10::nullopt;
+  at::Tensor hd = d.to(at::kHalf).contiguous(), hm = m.to(at::kHalf).contiguous();
+  if (!hd.to(at::kFloat).equal(d) || !hm.to(at::kFloat).equal(m)) return c10::nullopt;
+  return std::make_tuple(hd, hm);
+}
 
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
@@ -490,10 +512,11 @@ void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at
                 packed.size(1) == KS, "weights packed by w4a8_pack_weight, matching [N, K], expected");
   }
   const bool row_offsets = (wide || five) && m.dim() == 2;
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * nblk * kLanes &&
-              m.scalar_type() == at::kFloat && m.is_contiguous() &&
+  const bool half = d.scalar_type() == at::kHalf;  // float16 scales (w4a8_half_scales): nibbles only
+  TORCH_CHECK((d.scalar_type() == at::kFloat || (half && use_nibbles)) && d.is_contiguous() &&
+              d.numel() == NB * nblk * kLanes && m.scalar_type() == d.scalar_type() && m.is_contiguous() &&
               (m.numel() == d.numel() || (row_offsets && m.numel() == NB * kLanes)),
-              "block scales and minimums packed by w4a8_pack_weight expected");
+              "block scales and minimums packed by w4a8_pack_weight (float16 ones only with nibbles) expected");
   const auto bias_f = float_or_empty(bias);
   if (M == 0) return;
   const uint8_t* w = use_nibbles ? nullptr : static_cast<const uint8_t*>(packed.data_ptr());
@@ -503,10 +526,26 @@ void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at
 #else
   const Acts acts{x.q.data_ptr<int8_t>(), x.scales.data_ptr<float>(), x.bsums.data_ptr<float>(), Kp};
 #endif
-  const float* wd = d.data_ptr<float>();
-  const float* wm = m.data_ptr<float>();
+  const float* wd = half ? nullptr : d.data_ptr<float>();
+  const float* wm = half ? nullptr : m.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   void* op = out.data_ptr();
+  if (use_nibbles && half) {
+    TORCH_CHECK(nibbles->scalar_type() == at::kByte && nibbles->is_contiguous() && nibbles->dim() == 4 &&
+                nibbles->size(0) == NB && nibbles->size(1) * 2 == KS, "nibbles made by w4a8_pack_nibbles expected");
+    const uint8_t* wn = nibbles->data_ptr<uint8_t>();
+    const c10::Half* hd = d.data_ptr<c10::Half>();
+    const c10::Half* hm = m.data_ptr<c10::Half>();
+    for_panels(M, NB, kCols, kRows, wn, KS * kLanes * 2, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+      switch (r) {
+        case 1: return block_cols<1, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
+        case 2: return block_cols<2, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
+        default:
+          return block_cols<kRows, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
+      }
+    });
+    return;
+  }
   if (use_nibbles) {
     TORCH_CHECK(nibbles->scalar_type() == at::kByte && nibbles->is_contiguous() && nibbles->dim() == 4 &&
                 nibbles->size(0) == NB && nibbles->size(1) * 2 == KS, "nibbles made by w4a8_pack_nibbles expected");
