@@ -418,6 +418,12 @@ def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, bes
     q, d, m = down.w4
     assert int(q.max()) == 15 and int(q.min()) == 0
     assert torch.equal(down.weight, dequantize_4bit(q, d, m).to(torch.bfloat16))
+    # Its d and m are the file's own float16 values (not refitted from bf16 weights), which
+    # a build that keeps only the nibbles reads as float16; no layer keeps the file's blocks.
+    assert torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)
+    if down.method.kernels.w4a8_nibble_max_rows() >= 2**62:
+        assert down.method.w4d.dtype == torch.float16 and down.method.w4m.dtype == torch.float16
+    assert all(getattr(mod, "source_blocks", None) is None for mod in model.modules())
     assert_all_blocks_free(llm)
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="w4a8", kv_cache_memory=0.1)

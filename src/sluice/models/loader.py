@@ -256,12 +256,14 @@ def gguf_converted(src: ModelSource) -> Path | None:
     return folder
 
 
-def iter_weights(src: ModelSource, dtype: torch.dtype, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ModelSource, dtype: torch.dtype,
+                 blocks: bool | frozenset[str] = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face parameter name, tensor in `dtype`) for every tensor of the checkpoint.
     blocks: a GGUF's matrices carry their blocks (quantization/gguf_blocks.py) as
     `tensor.gguf_blocks`, (q, d, m), rows in the model's order: the file's own where it
     has them (the tensor is then a meta tensor: nothing dequantized), else 8-bit blocks of
-    the values."""
+    the values. A set of GGUF type names: only matrices of those types carry their own
+    blocks, the others none (w4a8 takes a Q4_1 file's blocks as they are)."""
     if src.is_gguf:
         yield from _iter_gguf(src.path, dtype, blocks)
     else:
@@ -504,7 +506,7 @@ def _gguf_array(data: np.memmap, t: GGUFTensor) -> np.ndarray:
     return data[t.offset:t.offset + n * size // block].reshape(quant_shape_to_byte_shape(t.shape, qtype))
 
 
-def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
+def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool | frozenset[str] = False):
     from collections import Counter
 
     from gguf.constants import GGMLQuantizationType
@@ -524,7 +526,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
         """A 2-D tensor in `dtype`; with blocks, its blocks attached: the file's own (the
         tensor then a meta one, never dequantized), else 8-bit ones of its values."""
         own = None
-        if blocks:
+        if blocks is True or (blocks and qtype.name in blocks):
             own = decode_q6k(raw, shape) if qtype.name == "Q6_K" else decode_blocks(raw, qtype.name, shape)
         if own is not None:
             kept[qtype.name] += 1
@@ -538,7 +540,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool = False):
             w = unpermute_qk(w, heads)
         values = torch.from_numpy(np.array(w, dtype=np.float32))
         tensor = values.to(dtype)
-        if blocks:
+        if blocks is True:
             requantized[qtype.name] += 1
             tensor.gguf_blocks = quantize_8bit_blocks(values)
         return tensor

@@ -47,13 +47,39 @@ def quantize_rows_4bit(module: Linear, start: int = 0, rows: int | None = None) 
     `module.w4` their (q, d, m), what the w4a8 kernels pack. Rows are independent."""
     rows = module.weight.shape[0] - start if rows is None else rows
     w = module.weight.narrow(0, start, rows)
-    q, d, m = quantize_4bit(w)
+    own = _file_blocks(module) if start == 0 and rows == module.weight.shape[0] else None
+    q, d, m = own if own is not None else quantize_4bit(w)
     w.copy_(dequantize_4bit(q, d, m).to(w.dtype))
     if getattr(module, "w4", None) is None:
         full, nblk = module.weight.shape, d.shape[1]
         module.w4 = (torch.zeros(full, dtype=torch.uint8), torch.zeros(full[0], nblk), torch.zeros(full[0], nblk))
     for held, new in zip(module.w4, (q, d, m)):
         held[start:start + rows] = new
+
+
+def _file_blocks(module: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A Q4_1 GGUF's own blocks of the whole layer (the loader's `source_blocks`: first row
+    -> (q, d, m), each part of a fused layer at its offset), else None. Their float16 d and
+    m are the file's exactly, where refitting them from the bf16 weights is off by up to a
+    bf16 rounding; as float16 values the kernels read them two bytes each
+    (w4a8_half_scales). Taken once: a later weight update refits its rows."""
+    parts = getattr(module, "source_blocks", None) or {}
+    module.source_blocks = None
+    n, k = module.weight.shape
+    at, qs, ds, ms = 0, [], [], []
+    for start in sorted(parts):
+        part = parts[start]
+        if start != at or not isinstance(part, tuple) or len(part) != 3:
+            return None
+        q, d, m = part
+        if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] != k or int(q.max()) > 15 \
+                or d.shape != (q.shape[0], -(-k // BLOCK_4BIT)) or m.shape != d.shape:
+            return None
+        qs.append(q), ds.append(d.float()), ms.append(m.float())
+        at += q.shape[0]
+    if at != n:
+        return None
+    return torch.cat(qs).contiguous(), torch.cat(ds).contiguous(), torch.cat(ms).contiguous()
 
 
 class W4A8(QuantizationScheme):

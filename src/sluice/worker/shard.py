@@ -65,11 +65,19 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
         if names is not None:  # a GGUF lacking tensors fails before its load, not after
             model.check_checkpoint_names(names)
         # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
-        weights = iter_weights(src, backend.dtype, blocks=mc.quantization == "gguf") if rank == 0 else None
+        # quantization='gguf': every matrix's blocks; w4a8 in one process: a Q4_1 file's
+        # own (its d and m exactly, not refitted from the bf16 values; tensor parallelism
+        # sends the ranks values, not blocks).
+        blocks = True if mc.quantization == "gguf" else \
+            frozenset({"Q4_1"}) if mc.quantization == "w4a8" and size == 1 else False
+        weights = iter_weights(src, backend.dtype, blocks=blocks) if rank == 0 else None
         model.load_weights(share_weights(group, weights) if group is not None else weights)
     model.eval()
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     backend.prepare(model, mc.quantization, max_model_len, with_head=rank == 0)
+    for module in model.modules():  # blocks no scheme took (w4a8's end layers)
+        if getattr(module, "source_blocks", None) is not None:
+            module.source_blocks = None
     runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
                          max_model_len=max_model_len)
     return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
