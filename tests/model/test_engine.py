@@ -423,6 +423,8 @@ def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, bes
     assert torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)
     if down.method.kernels.w4a8_nibble_max_rows() >= 2**62:
         assert down.method.w4d.dtype == torch.float16 and down.method.w4m.dtype == torch.float16
+    else:  # the byte layout's float32 scales, and the nibbles' own float16 copy
+        assert down.method.w4d.dtype == torch.float32 and down.method.w4nib_scales.dtype == torch.float16
     assert all(getattr(mod, "source_blocks", None) is None for mod in model.modules())
     assert_all_blocks_free(llm)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -579,7 +579,7 @@ def build_stack(model, k):
         w = module.method
         bias = None if module.bias is None else module.bias.detach()
         return (w.n, w.packed, w.q_packed, w.qscale, float(w.int8_max_rows), bias, w.w8a8, w.w4a8, w.w4d, w.w4m,
-                w.w4nib)
+                w.w4nib, w.w4nib_scales)
 
     first = model.model.layers[0].self_attn
     stack = k.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, first.scale, model.model.norm.eps,

@@ -45,6 +45,8 @@ class KernelWeight:
     w4d: torch.Tensor | None = None      # ... with its block scales
     w4m: torch.Tensor | None = None      # ... and block minimums
     w4nib: torch.Tensor | None = None    # ... and the weights two to a byte, for steps of few rows
+    w4nib_scales: torch.Tensor | None = None  # ... with their own float16 w4d and w4m (stacked), where
+    # the byte layout keeps float32 ones (the AVX2 builds) and all are float16 values
     # (Q6_K's form rides in the same fields, told apart by w4m's dtype, int8: w4a8 its low
     # nibbles, w4nib its top bits, w4d its float scale per 256 k, w4m its int8 scales per 16 k)
     # float32 outputs by default: the LM head's logits, a row-parallel layer's partial sums
@@ -53,7 +55,8 @@ class KernelWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_float32: bool | None = None):
         out_float32 = self.out_float32 if out_float32 is None else out_float32
         if self.w4a8 is not None:
-            return self.kernels.w4a8_linear(x, self.w4a8, self.w4d, self.w4m, self.n, bias, out_float32, self.w4nib)
+            return self.kernels.w4a8_linear(x, self.w4a8, self.w4d, self.w4m, self.n, bias, out_float32, self.w4nib,
+                                            self.w4nib_scales)
         if self.w8a8 is not None:
             return self.kernels.w8a8_linear(x, self.w8a8, self.qscale, self.n, bias, out_float32)
         if self.q_packed is not None and x.shape[0] <= self.int8_max_rows:
@@ -80,13 +83,16 @@ def kernel_weight(kernels, weight: torch.Tensor, q: tuple[torch.Tensor, torch.Te
         if packed.dtype == torch.int8:  # wide weights (up to 254): the byte layout at every row count
             return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m)
         nibbles = kernels.w4a8_pack_nibbles(packed)
+        # Scales and minimums that are all float16 values (a GGUF's Q4_0 / Q4_1 blocks) read
+        # as float16 by the nibbles: 0.625 bytes a weight instead of 0.75, the same values.
+        half = kernels.w4a8_half_scales(d, m)
         if nibbles_only or kernels.w4a8_nibble_max_rows() >= 2**62:  # nibbles at every row count
             packed = packed.new_empty(0)
-            # Scales and minimums that are all float16 values (Q4_0 / Q4_1 blocks, w4a8's
-            # fit) kept as float16: 0.625 bytes a weight read instead of 0.75, same values.
-            half = kernels.w4a8_half_scales(d, m)
             if half is not None:
                 d, m = half
+        elif half is not None:  # the byte layout's float32 ones stay, for its bigger steps
+            return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m, w4nib=nibbles,
+                                w4nib_scales=torch.stack(half).contiguous())
         return KernelWeight(kernels, weight.shape[0], None, w4a8=packed, w4d=d, w4m=m, w4nib=nibbles)
     if q is None:
         return KernelWeight(kernels, weight.shape[0], kernels.bi_pack_weight(weight))

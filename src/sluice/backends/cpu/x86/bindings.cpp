@@ -76,7 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_linear", &sluice::linear_w4a8,
         "x @ (q * d + m)^T (+ b), 4-bit weights per block of 32, x quantized to int8 per block of 32",
         py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("out_float32") = false, py::arg("nibbles") = py::none());
+        py::arg("bias") = py::none(), py::arg("out_float32") = false, py::arg("nibbles") = py::none(),
+        py::arg("nibble_scales") = py::none());
   // q6k.cpp (its linear layer and rows run through w4a8_linear and w4a8_rows)
   m.def("q6k_pack_weight", &sluice::q6k_pack_weight,
         "pack [N, K] Q6_K weights (q in 0..63, [N, K/16] int8 scales, [N, K/256] float32 scales) as (low nibbles, "

@@ -34,6 +34,7 @@ struct StackLinear {
   at::Tensor w8a8;      // for sluice::linear_w8a8 (with qscale), at every row count
   at::Tensor w4a8, w4d, w4m;  // for sluice::linear_w4a8, at every row count
   c10::optional<at::Tensor> w4nib;  // ... and its nibble-packed copy, for steps of few rows
+  c10::optional<at::Tensor> w4nib_scales;  // ... with their own float16 d and m (AVX2 builds)
   // LoRA adapters' resident slots of this layer (lora/slots.py LoRALayer: A^T, B^T stacks
   // and each slot's rank), undefined where none are served.
   at::Tensor lora_at, lora_bt, lora_ranks;
@@ -59,7 +60,7 @@ struct StackLinear {
     }
   }
   void into(const sluice::W8A8Rows& x, at::Tensor& out) const {
-    if (w4a8.defined()) sluice::linear_w4a8_rows_into(x, w4a8, w4d, w4m, n, bias, w4nib, out);
+    if (w4a8.defined()) sluice::linear_w4a8_rows_into(x, w4a8, w4d, w4m, n, bias, w4nib, out, w4nib_scales);
     else sluice::linear_w8a8_rows_into(x, w8a8, qscale, n, bias, out);
   }
 };
@@ -81,7 +82,7 @@ class DecoderStack {
   using LinearArgs = std::tuple<int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>, double, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                                c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
+                                c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
 
   void add_layer(const LinearArgs& qkv, const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
                  at::Tensor input_norm, at::Tensor post_attention_norm) {
@@ -217,6 +218,7 @@ class DecoderStack {
     if (std::get<8>(a)) s.w4d = *std::get<8>(a);
     if (std::get<9>(a)) s.w4m = *std::get<9>(a);
     s.w4nib = std::get<10>(a);
+    s.w4nib_scales = std::get<11>(a);
     TORCH_CHECK(s.packed.defined() || s.q_packed.defined() || s.w8a8.defined() || s.w4a8.defined(),
                 "a linear layer needs packed weights");
     return s;

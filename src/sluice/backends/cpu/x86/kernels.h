@@ -86,15 +86,19 @@ int64_t w4a8_nibble_max_rows();  // the most rows a step may have to read the ni
 c10::optional<std::tuple<at::Tensor, at::Tensor>> w4a8_half_scales(at::Tensor d, at::Tensor m);
 at::Tensor w4a8_rows(at::Tensor ids, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t K,
                      c10::optional<at::Tensor> nibbles);
+// nibble_scales: where the byte layout keeps float32 d and m, the nibbles' float16 copy of
+// them ([2, ...]: d's, then m's; w4a8_half_scales stacked), read by steps on the nibbles.
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                        c10::optional<at::Tensor> bias, bool out_float32,
-                       c10::optional<at::Tensor> nibbles = c10::nullopt);
+                       c10::optional<at::Tensor> nibbles = c10::nullopt,
+                       c10::optional<at::Tensor> nibble_scales = c10::nullopt);
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
                             c10::optional<at::Tensor> bias, bool out_float32,
-                            c10::optional<at::Tensor> nibbles = c10::nullopt);
+                            c10::optional<at::Tensor> nibbles = c10::nullopt,
+                            c10::optional<at::Tensor> nibble_scales = c10::nullopt);
 void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                            int64_t N, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& nibbles,
-                           at::Tensor& out);
+                           at::Tensor& out, const c10::optional<at::Tensor>& nibble_scales = c10::nullopt);
 // q6k.cpp: Q6_K weights in their own form (6-bit q, an int8 scale per 16 k, a float per
 // 256 k) by the same quantized activations. The w4a8 entry points take them too, told
 // apart by their int8 scales (KernelWeight: w4a8 = low nibbles, w4nib = top bits,

@@ -478,19 +478,20 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> w4a8_half_scales(at::Tensor d,
 }
 
 at::Tensor linear_w4a8_rows(const W8A8Rows& x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                            c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
+                            c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles,
+                            c10::optional<at::Tensor> nibble_scales) {
   if (m.scalar_type() == at::kChar) {  // Q6_K's form (q6k.cpp): int8 scales per 16 k
     TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
     return linear_q6k_rows(x, packed, *nibbles, d, m, N, bias, out_float32);
   }
   auto out = at::empty({x.q.size(0), N}, x.q.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
-  linear_w4a8_rows_into(x, packed, d, m, N, bias, nibbles, out);
+  linear_w4a8_rows_into(x, packed, d, m, N, bias, nibbles, out, nibble_scales);
   return out;
 }
 
 void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                            int64_t N, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& nibbles,
-                           at::Tensor& out) {
+                           at::Tensor& out, const c10::optional<at::Tensor>& nibble_scales) {
   if (m.scalar_type() == at::kChar) {  // Q6_K's form: its own kernel allocates (not a hot path)
     TORCH_CHECK(nibbles.has_value(), "Q6_K weights need their top bits");
     out.copy_(linear_q6k_rows(x, packed, *nibbles, d, m, N, bias, out.scalar_type() == at::kFloat));
@@ -530,12 +531,19 @@ void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at
   const float* wm = half ? nullptr : m.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   void* op = out.data_ptr();
-  if (use_nibbles && half) {
+  // The nibbles' own float16 copy of the scales, where a build keeps the byte layout (and
+  // its float32 scales) for bigger steps: the AVX2 builds.
+  const bool own_half = !half && use_nibbles && nibble_scales.has_value() && nibble_scales->defined();
+  if (own_half)
+    TORCH_CHECK(nibble_scales->scalar_type() == at::kHalf && nibble_scales->is_contiguous() &&
+                nibble_scales->dim() == 4 && nibble_scales->size(0) == 2 && nibble_scales->numel() == 2 * d.numel(),
+                "nibble scales: [2, ...] float16, d's and m's (w4a8_half_scales, stacked)");
+  if (use_nibbles && (half || own_half)) {
     TORCH_CHECK(nibbles->scalar_type() == at::kByte && nibbles->is_contiguous() && nibbles->dim() == 4 &&
                 nibbles->size(0) == NB && nibbles->size(1) * 2 == KS, "nibbles made by w4a8_pack_nibbles expected");
     const uint8_t* wn = nibbles->data_ptr<uint8_t>();
-    const c10::Half* hd = d.data_ptr<c10::Half>();
-    const c10::Half* hm = m.data_ptr<c10::Half>();
+    const c10::Half* hd = own_half ? nibble_scales->data_ptr<c10::Half>() : d.data_ptr<c10::Half>();
+    const c10::Half* hm = own_half ? hd + d.numel() : m.data_ptr<c10::Half>();
     for_panels(M, NB, kCols, kRows, wn, KS * kLanes * 2, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
       switch (r) {
         case 1: return block_cols<1, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
@@ -598,8 +606,9 @@ void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at
 
 // x: [M, K] bf16, quantized per block of 32 as linear_w8a8 does; then linear_w4a8_rows.
 at::Tensor linear_w4a8(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t N,
-                       c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles) {
-  return linear_w4a8_rows(w8a8_quantize(x), packed, d, m, N, bias, out_float32, nibbles);
+                       c10::optional<at::Tensor> bias, bool out_float32, c10::optional<at::Tensor> nibbles,
+                       c10::optional<at::Tensor> nibble_scales) {
+  return linear_w4a8_rows(w8a8_quantize(x), packed, d, m, N, bias, out_float32, nibbles, nibble_scales);
 }
 
 }  // namespace sluice
