@@ -53,16 +53,18 @@ def bandwidth_gbps() -> float:
 
 def weight_bytes(model) -> int:
     """Bytes a greedy decode step reads of the weights: what each linear layer's method
-    multiplies by at a few rows (KernelWeight's choice: 4-bit nibbles, int8 x int8, int8
+    multiplies by at a few rows (KernelWeight's choice: 4-bit nibbles with their float16
+    scales where they have their own, int8 x int8, int8
     weights, else the packed bf16 weight), and the head's (the greedy head's int8 copy where there is
     one); norms and the embedding rows it gathers are negligible."""
     def read(method) -> list:
         if isinstance(method, torch.Tensor):
             return [method]
-        for fields in (("w4nib", "w4d", "w4m"), ("w4a8", "w4d", "w4m"), ("w8a8", "qscale"), ("q_packed", "qscale"),
+        for fields in (("w4nib", "w4nib_scales"), ("w4nib", "w4d", "w4m"), ("w4a8", "w4d", "w4m"), ("w8a8", "qscale"),
+                       ("q_packed", "qscale"),
                        ("packed",),
                        ("weight",)):
-            if getattr(method, fields[0], None) is not None:
+            if all(getattr(method, f, None) is not None for f in fields):
                 return [getattr(method, f) for f in fields]
         return []
     tensors = [t for m in model.modules() if getattr(m, "method", None) is not None for t in read(m.method)]
