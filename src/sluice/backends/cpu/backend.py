@@ -249,8 +249,8 @@ class CpuBackend(Backend):
     @classmethod
     def auto_quantization(cls, model_config, tensor_parallel_size: int) -> str | None:
         """For a GGUF whose decoder linear weights are quantized, in bfloat16 on the kernels:
-        - all Q4_1: w4a8, its 4-bit blocks the file's own values (quantize_4bit finds them
-          again), only the activations rounded (KL from float32 0.0023 against bf16's 0.0008
+        - all Q4_1: w4a8, its 4-bit blocks the file's own (the loader hands them over), only
+          the activations rounded (KL from float32 0.0023 against bf16's 0.0008
           on the default model, docs/benchmarks.md "Quality"), at about twice the c32
           throughput, with the end layers and the head in bf16 activations;
         - other quantized types (Q4_K_M files and the like): gguf, the file's own blocks in
