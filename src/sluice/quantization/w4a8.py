@@ -1,7 +1,8 @@
 """w4a8: 4-bit weights in llama.cpp's Q4_1 form (a scale and a minimum per block of 32:
 a Q4_1 GGUF's own blocks as the file stores them, else fitted to the bf16 weights) times
 the int8 activations of w8a8 (backends/cpu/x86/w4a8.cpp), at every row count: the fastest
-batches on AVX2 CPUs without VNNI. Its end layers (base.end_layers) multiply the 4-bit weights' values in bf16."""
+batches on AVX2 CPUs without VNNI. Its end layers (base.end_layers) multiply the 4-bit
+weights' values in bf16."""
 from __future__ import annotations
 
 import torch

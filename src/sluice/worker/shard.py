@@ -75,7 +75,7 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     model.eval()
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     backend.prepare(model, mc.quantization, max_model_len, with_head=rank == 0)
-    for module in model.modules():  # blocks no scheme took (w4a8's end layers)
+    for module in model.modules():  # blocks no scheme took (w4a8 takes only its linear layers')
         if getattr(module, "source_blocks", None) is not None:
             module.source_blocks = None
     runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,

@@ -538,33 +538,27 @@ void linear_w4a8_rows_into(const W8A8Rows& x, const at::Tensor& packed, const at
     TORCH_CHECK(nibble_scales->scalar_type() == at::kHalf && nibble_scales->is_contiguous() &&
                 nibble_scales->dim() == 4 && nibble_scales->size(0) == 2 && nibble_scales->numel() == 2 * d.numel(),
                 "nibble scales: [2, ...] float16, d's and m's (w4a8_half_scales, stacked)");
-  if (use_nibbles && (half || own_half)) {
-    TORCH_CHECK(nibbles->scalar_type() == at::kByte && nibbles->is_contiguous() && nibbles->dim() == 4 &&
-                nibbles->size(0) == NB && nibbles->size(1) * 2 == KS, "nibbles made by w4a8_pack_nibbles expected");
-    const uint8_t* wn = nibbles->data_ptr<uint8_t>();
-    const c10::Half* hd = own_half ? nibble_scales->data_ptr<c10::Half>() : d.data_ptr<c10::Half>();
-    const c10::Half* hm = own_half ? hd + d.numel() : m.data_ptr<c10::Half>();
-    for_panels(M, NB, kCols, kRows, wn, KS * kLanes * 2, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
-      switch (r) {
-        case 1: return block_cols<1, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
-        case 2: return block_cols<2, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
-        default:
-          return block_cols<kRows, true, false, false>(C, wn, KS, hd, hm, acts, nb0, bp, N, out_float32, op, m0, pf);
-      }
-    });
-    return;
-  }
   if (use_nibbles) {
     TORCH_CHECK(nibbles->scalar_type() == at::kByte && nibbles->is_contiguous() && nibbles->dim() == 4 &&
                 nibbles->size(0) == NB && nibbles->size(1) * 2 == KS, "nibbles made by w4a8_pack_nibbles expected");
     const uint8_t* wn = nibbles->data_ptr<uint8_t>();
-    for_panels(M, NB, kCols, kRows, wn, KS * kLanes * 2, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
-      switch (r) {
-        case 1: return block_cols<1, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
-        case 2: return block_cols<2, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
-        default: return block_cols<kRows, true>(C, wn, KS, wd, wm, acts, nb0, bp, N, out_float32, op, m0, pf);
-      }
-    });
+    auto run = [&](const auto* sd, const auto* sm) {  // float32 or float16 scales
+      for_panels(M, NB, kCols, kRows, wn, KS * kLanes * 2, nblk, [&](int64_t nb0, int C, int64_t m0, int r, Prefetch pf) {
+        switch (r) {
+          case 1: return block_cols<1, true>(C, wn, KS, sd, sm, acts, nb0, bp, N, out_float32, op, m0, pf);
+          case 2: return block_cols<2, true>(C, wn, KS, sd, sm, acts, nb0, bp, N, out_float32, op, m0, pf);
+          default: return block_cols<kRows, true>(C, wn, KS, sd, sm, acts, nb0, bp, N, out_float32, op, m0, pf);
+        }
+      });
+    };
+    if (own_half) {
+      const c10::Half* hd = nibble_scales->data_ptr<c10::Half>();
+      run(hd, hd + d.numel());
+    } else if (half) {
+      run(d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>());
+    } else {
+      run(wd, wm);
+    }
     return;
   }
   if (five) {
