@@ -6,6 +6,7 @@ import pytest
 
 from sluice.config import EngineConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.kv_offload import OffloadIndex
 from sluice.core.scheduler import SampledToken, Scheduler, StepResult
 from sluice.engine.llm_engine import check_scheduling_fields
 from sluice.request import Request, RequestStatus
@@ -169,6 +170,38 @@ def test_the_door_bounds_a_new_programs_wait_and_is_off_without_pins(pins):
         plan, _ = step(s)
         assert [e.request_id for e in plan.scheduled] == ["a-1", "b-1"]
     assert s.sessions.stats.held_at_door == (1 if pins else 0)
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_with_a_kv_tier_the_door_counts_running_calls_not_pins(tier):
+    # 32 blocks of 4: the pin budget is 16 blocks; with a tier the door's is half of it, 8
+    # blocks of running calls (a pin pushed out goes to the tier and comes back as a copy).
+    clock = Clock()
+    kv = KVCacheManager(32, BS, enable_caching=True, offload=OffloadIndex(64, block_size=BS) if tier else None)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, policy="program"), kv, 128, clock=clock)
+    s.add_request(req("a-1", [1000 + j for j in range(20)], max_tokens=2, arrival=clock.t, session_id="a"))
+    s.add_request(req("d-1", [2000 + j for j in range(24)], max_tokens=2, arrival=clock.t, session_id="d"))
+    admission_order(s)
+    assert s.sessions.num_pinned == 11
+    held = s.sessions.stats.held_at_door
+    s.add_request(req("c", [3000 + j for j in range(16)], max_tokens=12, arrival=clock.t))
+    step(s)                                             # c (no session) holds 4 blocks
+    s.add_request(req("b-1", [4000 + j for j in range(12)], max_tokens=2, arrival=clock.t, session_id="b"))
+    plan, _ = step(s)
+    # Without a tier, 11 pinned + 4 running + b's 3 > 16: b waits for c. With one, the pins
+    # do not count: 4 + 3 <= 8.
+    assert [e.request_id for e in plan.scheduled] == (["c", "b-1"] if tier else ["c"])
+    assert s.sessions.stats.held_at_door == held + (0 if tier else 1)
+    admission_order(s)
+    if tier:
+        # Running calls still shut it: 6 blocks running + e's 3 > 8.
+        s.add_request(req("c2", [5000 + j for j in range(24)], max_tokens=12, arrival=clock.t))
+        step(s)
+        s.add_request(req("e-1", [6000 + j for j in range(12)], max_tokens=2, arrival=clock.t, session_id="e"))
+        plan, _ = step(s)
+        assert [e.request_id for e in plan.scheduled] == ["c2"]
+        assert s.sessions.stats.held_at_door == held + 1
+        assert admission_order(s)[-1] == "e-1"
 
 
 def test_fair_interleaves_tenants_by_counter():
