@@ -222,8 +222,20 @@ class AdaptiveDoorScheduler(Scheduler):
         return super()._door_open(now)
 
 
+class PinDoorScheduler(Scheduler):
+    """`program`'s door as it is without a tier (pins counted, the whole pin budget) even
+    with one: what the door was before it counted only running calls under a tier."""
+
+    def _door_open(self, now):
+        offload, self.kv.offload = self.kv.offload, None
+        try:
+            return super()._door_open(now)
+        finally:
+            self.kv.offload = offload
+
+
 # --variant: a scheduler changed in one place, to compare against the engine's own.
-VARIANTS = {"nodoor": NoDoorScheduler, "adaptive": AdaptiveDoorScheduler}
+VARIANTS = {"nodoor": NoDoorScheduler, "adaptive": AdaptiveDoorScheduler, "pindoor": PinDoorScheduler}
 
 
 def load(args) -> list[dict]:
@@ -244,10 +256,32 @@ def load(args) -> list[dict]:
     return out
 
 
+def isolated(args, coef: list[float], programs: list[dict]) -> dict:
+    """Each program alone on an idle server (its own session, nothing else in the cache):
+    the job time no order can beat. Every program's time under any policy is at least its
+    time here, so each percentile here bounds that policy's percentile from below: FCFS's
+    p99 over this p99 is the most any scheduler can gain on it."""
+    jcts, kinds = [], []
+    for p in programs:
+        p = dict(p, start=0.0)
+        Sim(args, coef).run([p])
+        jcts.append(p["jct"])
+        kinds.append(p["kind"])
+
+    def pct(kind, q):
+        xs = [j for j, k in zip(jcts, kinds) if kind is None or k == kind]
+        return round(percentile(xs, q), 1) if xs else None
+    return {"jct_p50_s": pct(None, 0.5), "jct_p99_s": pct(None, 0.99), "short_p50_s": pct("short", 0.5),
+            "long_p50_s": pct("long", 0.5)}
+
+
 def run(args) -> int:
     with open(args.model_json) as f:
         coef = json.load(f)["coef"]
-    report = Sim(args, coef).run(load(args))
+    if args.isolated:
+        report = isolated(args, coef, load(args))
+    else:
+        report = Sim(args, coef).run(load(args))
     report["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     print(json.dumps(report))
     return 0
@@ -282,6 +316,8 @@ def main(argv=None) -> int:
     r.add_argument("--max-num-batched-tokens", type=int, default=256)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--variant", default=None, choices=sorted(VARIANTS))
+    r.add_argument("--isolated", action="store_true",
+                   help="run each program alone (the lower bound on every program's job time)")
     r.add_argument("--slowdown", type=float, default=1.0, help="scale the modelled step times")
     r.add_argument("--offload-gib", type=float, default=0.0, help="a host KV tier of this many GiB (0: none)")
     r.add_argument("--offload-dtype", default="int8", choices=sorted(OFFLOAD_BLOCK_BYTES))

@@ -28,7 +28,7 @@ def args(**kw) -> argparse.Namespace:
                 kv_gib=0.05, policy="fcfs", sessions=False, starvation_s=30.0, max_pinned_fraction=0.5,
                 max_num_batched_tokens=256, seed=0, variant=None, slowdown=1.0, tool_sigma=1.0, tools=0,
                 tool_hints=False, short_frac=0.7, tool_len=(60, 120), offload_gib=0.0, offload_dtype="int8",
-                offload_save_us=362.0, offload_load_us=274.0)
+                offload_save_us=362.0, offload_load_us=274.0, isolated=False)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -41,7 +41,8 @@ def programs(sim):
 @pytest.mark.parametrize("kw", [dict(), dict(policy="program", sessions=True),
                                 dict(policy="program", sessions=True, variant="nodoor"),
                                 dict(policy="program", sessions=True, tools=4, tool_hints=True),
-                                dict(policy="program", sessions=True, offload_gib=0.05)])
+                                dict(policy="program", sessions=True, offload_gib=0.05),
+                                dict(policy="program", sessions=True, offload_gib=0.05, variant="pindoor")])
 def test_every_program_finishes_and_no_block_leaks(sim, programs, kw):
     a = args(**kw)
     if a.tools:
@@ -66,3 +67,19 @@ def test_every_program_finishes_and_no_block_leaks(sim, programs, kw):
     # Same seed, same flags: the same run, to the step.
     again = sim.Sim(a, COEF).run(runs[1])
     assert again == report
+
+
+def test_each_program_alone_bounds_every_programs_job_time(sim, programs):
+    # --isolated: each program on an idle server. No program finishes sooner under a load,
+    # so the bound's percentiles are under every policy's (the sweep's headroom column).
+    a = args(policy="program", sessions=True)
+    alone = copy.deepcopy(programs)
+    for p in alone:
+        p["start"] = 0.0
+        sim.Sim(a, COEF).run([p])
+    loaded = copy.deepcopy(programs)
+    sim.Sim(args(), COEF).run(loaded)
+    for x, y in zip(alone, loaded):
+        assert 0 < x["jct"] <= y["jct"] + 1e-9
+    bound = sim.isolated(a, COEF, copy.deepcopy(programs))
+    assert 0 < bound["jct_p50_s"] <= bound["jct_p99_s"]
