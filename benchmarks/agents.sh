@@ -26,6 +26,7 @@
 #   FAIR_RATE [1.0 programs/s, light and heavy together]  SEED [0]
 #   SERVE_FLAGS [extra flags for every server]  EXPERIMENTS ["programs fairness"]
 #   CONFIGS ["fcfs program": the programs experiment's configurations]  TIER_GIB [1]
+#   BENCH_FLAGS [extra `sluice bench agents` flags of the programs experiment: its shape]
 set -euo pipefail
 SELF=$(realpath "$0")
 cd "$(dirname "$SELF")/.."
@@ -43,6 +44,7 @@ LIGHT_PROGRAMS=${LIGHT_PROGRAMS:-4}
 FAIR_RATE=${FAIR_RATE:-1.0}
 SEED=${SEED:-0}
 SERVE_FLAGS=${SERVE_FLAGS:-}
+BENCH_FLAGS=${BENCH_FLAGS:-}
 EXPERIMENTS=${EXPERIMENTS:-programs fairness}
 CONFIGS=${CONFIGS:-fcfs program}
 TIER_GIB=${TIER_GIB:-1}
@@ -77,10 +79,12 @@ for r in $(seq 1 "$ROUNDS"); do
                 fi
                 if [[ "$cfg" == fcfs* ]]; then
                     kv_server "$name.log" --scheduling-policy fcfs "${tier[@]}"
-                    bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE"
+                    # shellcheck disable=SC2086
+                    bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE" $BENCH_FLAGS
                 else
                     kv_server "$name.log" --scheduling-policy program "${tier[@]}"
-                    bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE" --sessions
+                    # shellcheck disable=SC2086
+                    bench "$name.json" --programs "$PROGRAMS" --program-rate "$RATE" --sessions $BENCH_FLAGS
                 fi
                 stop_server
             done
