@@ -333,8 +333,8 @@ class Scheduler:
         what it still bounds is how many programs run at once, past which each new
         program's calls slow every running one and the median job rises. In the simulated
         sweep (docs/benchmarks.md, "The agent sweep") this took p50 from 1.8-2.6x FCFS's to
-        2.1-3.4x at the loads where FCFS thrashes, and no cell fell under FCFS; the full pin
-        budget there lost the median at the highest load (1.57x)."""
+        2.1-3.4x where FCFS thrashes on many short programs, and no cell fell under FCFS;
+        the whole pin budget there lost the median at the highest load (1.57x)."""
         used = self.kv.num_blocks - self.kv.num_free_blocks
         budget = self.sessions.max_pinned
         pins_off = budget <= 0 or self.sessions.ttl_s <= 0
