@@ -256,17 +256,22 @@ def load(args) -> list[dict]:
     return out
 
 
-def isolated(args, coef: list[float], programs: list[dict]) -> dict:
-    """Each program alone on an idle server (its own session, nothing else in the cache):
-    the job time no order can beat. Every program's time under any policy is at least its
-    time here, so each percentile here bounds that policy's percentile from below: FCFS's
-    p99 over this p99 is the most any scheduler can gain on it."""
-    jcts, kinds = [], []
+def alone_jcts(args, coef: list[float], programs: list[dict]) -> list[float]:
+    """Each program's job time alone on an idle server (its own session, nothing else in
+    the cache): the time no order can beat, program by program."""
+    jcts = []
     for p in programs:
         p = dict(p, start=0.0)
         Sim(args, coef).run([p])
         jcts.append(p["jct"])
-        kinds.append(p["kind"])
+    return jcts
+
+
+def isolated(args, coef: list[float], programs: list[dict]) -> dict:
+    """The percentiles of alone_jcts. Every program's time under any policy is at least its
+    time alone, so each percentile here bounds that policy's percentile from below: FCFS's
+    p99 over this p99 is the most any scheduler can gain on it."""
+    jcts, kinds = alone_jcts(args, coef, programs), [p["kind"] for p in programs]
 
     def pct(kind, q):
         xs = [j for j, k in zip(jcts, kinds) if kind is None or k == kind]

@@ -41,7 +41,12 @@ ALONE_KV_GIB = 4.0
 
 def one(model_json: str, shape: str, kv: float, rate: float, cfg: str, seed: int, offload: float,
         copy_us: list[str]) -> dict:
-    flags = ALONE if cfg == "alone" else [str(offload) if f == "OFFLOAD" else f for f in CONFIGS[cfg]]
+    base, _, variant = cfg.partition("+tier+")  # program+tier+VARIANT: agents_sim.py --variant VARIANT
+    if variant:
+        flags = CONFIGS[base + "+tier"] + ["--variant", variant]
+    else:
+        flags = ALONE if cfg == "alone" else CONFIGS[cfg]
+    flags = [str(offload) if f == "OFFLOAD" else f for f in flags]
     if "--offload-gib" in flags:
         flags = flags + copy_us
     cmd = [sys.executable, "benchmarks/agents_sim.py", "run", "--model-json", model_json, "--kv-gib", str(kv),
@@ -74,18 +79,16 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                     help="configurations to run (fcfs, the baseline, always runs)")
     args = ap.parse_args(argv)
-    for v in args.variants:
-        CONFIGS[f"program+tier+{v}"] = CONFIGS["program+tier"] + ["--variant", v]
     configs = ["fcfs"] + [c for c in args.configs if c != "fcfs"] + [f"program+tier+{v}" for v in args.variants]
     grid = [(shape, kv, rate, cfg, seed)
             for shape in args.shapes for kv in (args.kv_gib if shape == "short" else args.long_kv_gib)
             for rate in (args.rates if shape == "short" else args.long_rates)
             for cfg in configs for seed in range(args.seeds)]
     grid += [(shape, ALONE_KV_GIB, 1.0, "alone", seed) for shape in args.shapes for seed in range(args.seeds)]
+    copy_us = [f for flag, v in (("--offload-save-us", args.offload_save_us),
+                                 ("--offload-load-us", args.offload_load_us)) if v is not None
+               for f in (flag, str(v))]
     with ThreadPoolExecutor(args.jobs) as pool:
-        copy_us = [f for flag, v in (("--offload-save-us", args.offload_save_us),
-                                     ("--offload-load-us", args.offload_load_us)) if v is not None
-                   for f in (flag, str(v))]
         reports = list(pool.map(lambda g: one(args.model_json, *g, args.offload_gib, copy_us), grid))
     runs = {g: r for g, r in zip(grid, reports)}
     if args.json:

@@ -73,13 +73,11 @@ def test_each_program_alone_bounds_every_programs_job_time(sim, programs):
     # --isolated: each program on an idle server. No program finishes sooner under a load,
     # so the bound's percentiles are under every policy's (the sweep's headroom column).
     a = args(policy="program", sessions=True)
-    alone = copy.deepcopy(programs)
-    for p in alone:
-        p["start"] = 0.0
-        sim.Sim(a, COEF).run([p])
+    alone = sim.alone_jcts(a, COEF, copy.deepcopy(programs))
     loaded = copy.deepcopy(programs)
     sim.Sim(args(), COEF).run(loaded)
+    assert len(alone) == len(loaded)
     for x, y in zip(alone, loaded):
-        assert 0 < x["jct"] <= y["jct"] + 1e-9
+        assert 0 < x <= y["jct"] + 1e-9
     bound = sim.isolated(a, COEF, copy.deepcopy(programs))
     assert 0 < bound["jct_p50_s"] <= bound["jct_p99_s"]
