@@ -144,6 +144,24 @@ def test_argmax_and_greedy_head(builds):
     same(builds, head)
 
 
+def test_sample_rows(builds):
+    """sample.cpp: 256 rows of a 3,001-token vocabulary (a scalar tail), a spread of u, with
+    and without top-k, top-p and min-p, greedy rows among them."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 256, 3001
+    x = torch.randn(n, vocab, generator=g) * 4
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    temperature = torch.rand(n, generator=g) * 1.5
+    temperature[::7] = 0.0
+    top_k = torch.randint(1, vocab + 1, (n,), generator=g)
+    top_p = torch.rand(n, generator=g).clamp(min=0.05)
+    min_p = torch.rand(n, generator=g) * 0.2
+
+    def run(k):
+        return k.sample_rows(x, temperature, u), k.sample_rows(x, temperature, u, top_k, top_p, min_p)
+    same(builds, run)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lora_deltas(builds, dtype):
     """lora.cpp: ranks 16-48 in a stack of 48, one slot that does not adapt the layer, an

@@ -195,8 +195,9 @@ class Backend:
         return None
 
     def sampler_ops(self) -> tuple:
-        """(argmax over rows, apply a token bitmask in place), or None each for torch's."""
-        return None, None
+        """(argmax over rows, apply a token bitmask in place, sample rows: worker/sampler.py's
+        Sampler arguments), or None each for torch's."""
+        return None, None, None
 
     def capture(self, runner) -> None:
         """Record what runs the same way every step (CUDA graphs), once the runner's KV

@@ -77,14 +77,18 @@ def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator, argmax=None, apply_bitmask=None):
+    def __init__(self, generator: torch.Generator, argmax=None, apply_bitmask=None, sample_rows=None):
         """argmax: a [B, V] float32 -> [B] replacement for torch.argmax(dim=-1) with the
         same answers (the C++ kernels' argmax_rows: torch's ran on one thread).
         apply_bitmask: the kernels' in-place apply_token_bitmask(logits, bitmask, rows),
-        else torch's ops (allowed_tokens + apply_grammar, the same result)."""
+        else torch's ops (allowed_tokens + apply_grammar, the same result).
+        sample_rows: the kernels' sample_rows(logits, temperature, u, top_k, top_p, min_p),
+        all of _sample's transforms and its draw in one call, row by row (the same
+        distribution and the same u; sample.cpp says where the two can differ)."""
         self.generator = generator
         self.argmax = argmax or _torch_argmax
         self.apply_bitmask = apply_bitmask
+        self.sample_rows = sample_rows
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Logprobs describe the model's own distribution, before any sampling transform:
@@ -118,6 +122,14 @@ class Sampler:
         return SamplerOutput(token_ids, ids, lps, ranks)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        # Inverse CDF: one uniform u per row; the token is the first whose running sum of
+        # probabilities passes u times the row's total (no normalising, no host sync).
+        # One draw a row: an exponential race (argmax(p / E), E ~ Exp(1)) drew one per
+        # token, and torch's exponential_ takes ~0.75 ms for a row of 49k on a CPU core
+        # (24 ms of a 39 ms step at 32 sampled rows).
+        u = self._uniforms(meta)
+        if self.sample_rows is not None:
+            return self.sample_rows(logits, meta.temperature, u, meta.top_k, meta.top_p, meta.min_p)
         greedy_rows = meta.temperature == 0
         greedy_ids = self.argmax(logits)
         temp = torch.where(greedy_rows, torch.ones_like(meta.temperature), meta.temperature)
@@ -128,23 +140,24 @@ class Sampler:
         if meta.min_p is not None:
             floor = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Inverse CDF: one uniform u per row; the token is the first whose running sum of
-        # probabilities passes u times the row's total (no normalising, no host sync).
-        # One draw a row: an exponential race (argmax(p / E), E ~ Exp(1)) drew one per
-        # token, and torch's exponential_ takes ~0.75 ms for a row of 49k on a CPU core
-        # (24 ms of a 39 ms step at 32 sampled rows). The running sums are float64: 49k
-        # float32 terms can round by ~1e-3 of the total, which would move rare tokens'
-        # odds; a row's sums depend on that row alone, so seeded rows stay batch-invariant.
+        # The running sums are float64: 49k float32 terms can round by ~1e-3 of the total,
+        # which would move rare tokens' odds; a row's sums depend on that row alone, so
+        # seeded rows stay batch-invariant.
         cum = probs.double().cumsum(dim=-1)
-        u = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
+        sampled = torch.searchsorted(cum, u[:, None] * cum[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+        return torch.where(greedy_rows, greedy_ids, sampled)
+
+    def _uniforms(self, meta: SamplingMetadata) -> torch.Tensor:
+        """One float64 uniform per row: from the row's own generator where it has a seed,
+        else from the shared stream."""
+        u = torch.empty(len(meta.generators), dtype=torch.float64, device=meta.temperature.device)
         shared = [i for i, g in enumerate(meta.generators) if g is None]
         if shared:
             u[shared] = u[shared].uniform_(generator=self.generator)
         for i, g in enumerate(meta.generators):
             if g is not None:
-                u[i].uniform_(generator=g)
-        sampled = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-        return torch.where(greedy_rows, greedy_ids, sampled)
+                u[i:i + 1].uniform_(generator=g)
+        return u
 
 
 def apply_grammar(logits: torch.Tensor, raw_logits: torch.Tensor, rows: torch.Tensor,

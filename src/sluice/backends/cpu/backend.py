@@ -562,7 +562,8 @@ class CpuBackend(Backend):
 
     def sampler_ops(self) -> tuple:
         k = self.kernels
-        return getattr(k, "argmax_rows", None), getattr(k, "apply_token_bitmask", None)
+        return (getattr(k, "argmax_rows", None), getattr(k, "apply_token_bitmask", None),
+                getattr(k, "sample_rows", None))
 
 
 def _padded_tables(block_ids: list[list[int]]) -> torch.Tensor:

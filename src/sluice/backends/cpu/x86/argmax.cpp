@@ -13,8 +13,9 @@
 
 #include "simd.h"
 
-namespace {
+namespace sluice {
 
+// torch.argmax over one row (also sample.cpp's answer for greedy rows).
 int64_t argmax_row(const float* x, int64_t n) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
@@ -42,6 +43,10 @@ int64_t argmax_row(const float* x, int64_t n) {
     if (x[i] == m) return i;
   return 0;  // all -inf: torch returns 0 as well
 }
+
+}  // namespace sluice
+
+namespace {
 
 
 // The k largest of x[0..n) (k <= 16, n >= k): indices into idx, unordered. A running
@@ -160,7 +165,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   sluice::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) o[b] = argmax_row(x + b * V, V);
+    for (int64_t b = begin; b < end; ++b) o[b] = sluice::argmax_row(x + b * V, V);
   });
   return out;
 }

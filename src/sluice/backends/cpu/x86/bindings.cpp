@@ -95,4 +95,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for [B, V] float32, rows over threads");
   m.def("greedy_head", &greedy_head, "argmax of the bf16 LM head from int8 logits: the top k rescored exactly",
         py::arg("approx"), py::arg("x"), py::arg("packed"), py::arg("k") = 16);
+
+  // sample.cpp
+  m.def("sample_rows", &sample_rows,
+        "one token per row of float32 logits: temperature (0: argmax), top-k, top-p, min-p, inverse CDF at u",
+        py::arg("logits"), py::arg("temperature"), py::arg("u"), py::arg("top_k") = py::none(),
+        py::arg("top_p") = py::none(), py::arg("min_p") = py::none());
 }

@@ -29,8 +29,13 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 at::Tensor greedy_head(at::Tensor approx, at::Tensor x, at::Tensor packed, int64_t k);
 at::Tensor argmax_rows(at::Tensor logits);
 void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
+// sample.cpp
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor u, c10::optional<at::Tensor> top_k,
+                       c10::optional<at::Tensor> top_p, c10::optional<at::Tensor> min_p);
 
 namespace sluice {
+// argmax.cpp: torch.argmax over one float32 row.
+int64_t argmax_row(const float* x, int64_t n);
 // cpu_cache.cpp: torch's small CPU tensors from free lists (installed once per process).
 bool install_cpu_cache();
 int64_t cpu_cache_bytes();
