@@ -3,7 +3,9 @@
 # out in a temporary worktree, its kernels built in their own extensions folder) and the
 # working tree. Each run starts its own server, drives it with `sluice bench serve`
 # (CONCURRENCY streams, default 32, REQUESTS requests, default 64; ~210-token prompts, 128
-# output tokens) and stops it.
+# output tokens) and stops it. BENCH_EXTRA: JSON merged into every request (the load
+# generator's --extra-body), e.g. '{"temperature": 1.0}' to sample as clients that send no
+# temperature do, instead of its greedy default.
 #   BASE=93da0d7 PAIRS=6 OUT=benchmarks/results/serve_c32/w8a8_kv8/ab1 bash benchmarks/serve_ab.sh \
 #       --quantization w8a8 --kv-cache-dtype int8
 set -euo pipefail
@@ -14,6 +16,7 @@ OUT=${OUT:-benchmarks/results/serve_ab}
 PORT=${PORT:-8151}
 CONCURRENCY=${CONCURRENCY:-32}
 REQUESTS=${REQUESTS:-64}
+BENCH_EXTRA=${BENCH_EXTRA:-}
 mkdir -p "$OUT"
 WT=$(mktemp -d)
 git worktree add -f --detach "$WT" "$BASE" > /dev/null
@@ -27,7 +30,7 @@ run() {  # NAME, then env assignments for the server
   local server=$!
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 1; done
   .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
-      --input-len 210 --output-len 128 --json "$OUT/$name.json" > /dev/null
+      --input-len 210 --output-len 128 ${BENCH_EXTRA:+--extra-body "$BENCH_EXTRA"} --json "$OUT/$name.json" > /dev/null
   kill -TERM "$server"; wait "$server" || true
   .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
 print(sys.argv[2], f\"{r['output_tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s, TPOT p50 {1e3 * r['tpot_p50_s']:.2f} ms\")" "$OUT/$name.json" "$name"
