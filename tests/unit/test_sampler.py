@@ -18,7 +18,7 @@ def meta_for(params: list[SamplingParams], **overrides) -> SamplingMetadata:
         top_p=torch.tensor([p.top_p for p in params]), top_k=torch.tensor([p.top_k if p.top_k > 0 else V for p in params]),
         min_p=torch.tensor([p.min_p for p in params]),
         repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        output_counts=None, prompt_mask=None, banned=None, generators=[None] * B, max_num_logprobs=-1)
+        seen_tokens=None, banned=None, generators=[None] * B, max_num_logprobs=-1)
     for k, v in overrides.items():
         setattr(m, k, v)
     return m
@@ -30,14 +30,15 @@ def test_penalties_match_per_row_reference():
     prompts = [[1, 2, 3], [4], [5, 5, 6]]
     outputs = [[1, 7, 7, 7], [], [6, 8]]
     rep, pres, freq = [1.3, 1.0, 0.7], [0.5, 1.0, 0.0], [0.2, 0.0, -0.5]
-    counts = torch.zeros(3, V)
-    mask = torch.zeros(3, V, dtype=torch.bool)
+    rows, ids, counts = [], [], []
     for i in range(3):
-        for t in outputs[i]:
-            counts[i, t] += 1
-        mask[i, prompts[i]] = True
+        for t in sorted(set(prompts[i]) | set(outputs[i])):
+            rows.append(i)
+            ids.append(t)
+            counts.append(float(outputs[i].count(t)))
+    seen = (torch.tensor(rows), torch.tensor(ids), torch.tensor(counts))
     m = meta_for([SamplingParams()] * 3, repetition_penalty=torch.tensor(rep), presence_penalty=torch.tensor(pres),
-                 frequency_penalty=torch.tensor(freq), output_counts=counts, prompt_mask=mask)
+                 frequency_penalty=torch.tensor(freq), seen_tokens=seen)
     got = apply_penalties(logits.clone(), m)
     ref = logits.clone()
     for i in range(3):
@@ -46,6 +47,17 @@ def test_penalties_match_per_row_reference():
         for t in set(outputs[i]):
             ref[i, t] -= freq[i] * outputs[i].count(t) + pres[i]
     torch.testing.assert_close(got, ref)
+    # The dense form (every token of every row) gives the same bits: an unseen token's
+    # terms are all 0.
+    dense_counts = torch.zeros(3, V)
+    dense_seen = torch.zeros(3, V, dtype=torch.bool)
+    dense_counts[seen[0], seen[1]] = seen[2]
+    dense_seen[seen[0], seen[1]] = True
+    r = torch.tensor(rep)[:, None]
+    dense = torch.where(dense_seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    dense = dense - torch.tensor(freq)[:, None] * dense_counts
+    dense = dense - torch.tensor(pres)[:, None] * (dense_counts > 0).float()
+    assert torch.equal(got, dense)
 
 
 def test_top_k_top_p_keep_exactly_the_allowed_tokens():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -200,15 +201,21 @@ class ModelRunner:
         any_top_k = any(p.top_k != -1 for p in params)
         any_min_p = any(p.min_p > 0 for p in params)
         any_pen = any(p.has_penalties for p in params)
-        counts = prompt_mask = rep = pres = freq = None
+        seen = rep = pres = freq = None
         if any_pen:
-            counts = torch.zeros((len(entries), V), dtype=torch.float32, device=dev)
-            prompt_mask = torch.zeros((len(entries), V), dtype=torch.bool, device=dev)
-            for i, e in enumerate(entries):
-                if e.output_token_ids:
-                    out = torch.tensor(e.output_token_ids, dtype=torch.long, device=dev)
-                    counts[i].scatter_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-                prompt_mask[i, torch.tensor(e.prompt_token_ids, dtype=torch.long, device=dev)] = True
+            seen_rows, seen_ids, seen_counts = [], [], []
+            for i, (e, p) in enumerate(zip(entries, params)):
+                if not p.has_penalties:
+                    continue  # its penalties are neutral: nothing to change
+                counts = Counter(e.output_token_ids)
+                for t in counts.keys() | set(e.prompt_token_ids):
+                    if t < V:
+                        seen_rows.append(i)
+                        seen_ids.append(t)
+                        seen_counts.append(counts.get(t, 0))
+            seen = (torch.tensor(seen_rows, dtype=torch.long, device=dev),
+                    torch.tensor(seen_ids, dtype=torch.long, device=dev),
+                    torch.tensor(seen_counts, dtype=torch.float32, device=dev))
             rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)
             pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)
             freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)
@@ -249,7 +256,7 @@ class ModelRunner:
                                device=dev) if any_top_k else None,
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) if any_min_p else None,
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-            output_counts=counts, prompt_mask=prompt_mask, banned=banned,
+            seen_tokens=seen, banned=banned,
             generators=generators, grammar=grammar, logit_bias=bias, allowed=allowed,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )

@@ -32,8 +32,9 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None  # [B] or None when no row uses penalties
     presence_penalty: torch.Tensor | None
     frequency_penalty: torch.Tensor | None
-    output_counts: torch.Tensor | None  # [B, V] occurrences of each token in the output
-    prompt_mask: torch.Tensor | None    # [B, V] token occurs in the prompt
+    # (rows [N], token ids [N], output counts [N] float32): every distinct token of each
+    # penalized row's prompt and output, with its occurrences in the output (0: prompt only).
+    seen_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
     generators: list[torch.Generator | None]  # per row; None draws from the shared stream
     max_num_logprobs: int               # -1: no row wants logprobs
@@ -174,16 +175,19 @@ def apply_grammar(logits: torch.Tensor, raw_logits: torch.Tensor, rows: torch.Te
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    counts, prompt_mask = meta.output_counts, meta.prompt_mask
-    seen = (counts > 0) | prompt_mask
-    rep = meta.repetition_penalty[:, None].expand_as(logits)
+    """Penalties on the tokens a row has seen, and only those: a token neither in the
+    prompt nor in the output keeps its logit whatever the penalties (each term below is 0
+    for it), so the [B, V] passes a dense form makes (~4 ms a step at 32 rows) would change
+    nothing there. The same float ops, in the same order, on each seen token."""
+    rows, toks, counts = meta.seen_tokens
+    vals = logits[rows, toks]
+    rep = meta.repetition_penalty[rows]
     # Repetition (CTRL / Hugging Face): shrink seen tokens' logits towards less likely.
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
+    vals = torch.where(vals > 0, vals / rep, vals * rep)
     # Presence and frequency (OpenAI): subtract per output token occurrence.
-    logits = logits - meta.frequency_penalty[:, None] * counts
-    logits = logits - meta.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
-    return logits
+    vals = vals - meta.frequency_penalty[rows] * counts
+    vals = vals - meta.presence_penalty[rows] * (counts > 0).to(vals.dtype)
+    return logits.index_put((rows, toks), vals)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
