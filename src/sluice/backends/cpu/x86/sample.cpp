@@ -58,19 +58,17 @@ Scratch& scratch() {
 // tokens stay impossible: exp16 clamps its argument, so it never gives 0 itself).
 void weights(const float* x, int64_t n, float t, float m, float* e) {
   const __m512 tv = _mm512_set1_ps(t), mv = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+  auto of = [&](__m512 v) {
     const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ);
-    _mm512_storeu_ps(e + i, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_div_ps(v, tv), mv))));
-  }
-  if (i < n) {
+    return _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_div_ps(v, tv), mv)));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(e + i, of(_mm512_loadu_ps(x + i)));
+  if (i < n) {  // the tail, padded with -inf (weight 0)
     alignas(64) float in[16], out[16];
     std::fill(in, in + 16, -INFINITY);
     std::copy(x + i, x + n, in);
-    const __m512 v = _mm512_load_ps(in);
-    const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ);
-    _mm512_store_ps(out, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_div_ps(v, tv), mv))));
+    _mm512_store_ps(out, of(_mm512_load_ps(in)));
     std::copy(out, out + (n - i), e + i);
   }
 }
@@ -208,7 +206,7 @@ int64_t draw(const float* e, int64_t n, double u, std::vector<double>& blocks) {
 int64_t sample_row(const float* x, int64_t V, float t, double u, int64_t top_k, double top_p, float min_p) {
   if (!(t > 0.0f)) return argmax_row(x, V);
   const float mx = row_max(x, V);
-  if (!(mx > -INFINITY) || std::isinf(mx)) return argmax_row(x, V);  // nothing finite, or an inf: as greedy
+  if (!std::isfinite(mx)) return argmax_row(x, V);  // nothing finite, an inf or a NaN: as greedy
   Scratch& s = scratch();
   s.e.resize(V);
   float* e = s.e.data();
