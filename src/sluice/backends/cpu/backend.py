@@ -25,7 +25,8 @@ import torch
 
 from sluice import quantization as quant
 from sluice.backends.base import AttentionMetadata, Backend, FlatBatch, PrefillChunk
-from sluice.backends.cpu.linear import PackedWeight, kernel_weight, prepack_weight
+from sluice.backends.cpu.huge_pages import huge_zeros, to_huge_pages
+from sluice.backends.cpu.linear import KernelWeight, PackedWeight, kernel_weight, prepack_weight
 from sluice.backends.cpu.ops import DecodeKernelOps, KernelOps
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA
 from sluice.backends.torch_ref import TORCH_OPS
@@ -217,6 +218,16 @@ def trim_cpu_tensor_cache() -> None:
 
 def _linears(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def _weight_holders(model) -> list:
+    """Everything that holds the kernels' packed weights: each Linear's method, the LM head
+    and the greedy head, and the packed embedding's head method (quantization='gguf'), so
+    that moving them leaves no second copy alive."""
+    rows = getattr(getattr(model.model.embed_tokens, "method", None), "method", None)
+    held = [m.method for _, m in _linears(model)] + [getattr(model, "head", None), getattr(model, "greedy_head", None),
+                                                     rows]
+    return [h for h in held if isinstance(h, (KernelWeight, GreedyHead))]
 
 
 @dataclass
@@ -467,6 +478,9 @@ class CpuBackend(Backend):
                 packed_int8 = k.head_w8a7_pack(q) if seven_bit else k.w8a8_pack_weight(q)
                 model.greedy_head = GreedyHead(k, packed_int8, scale.float().contiguous(), head.packed,
                                                model.arch.vocab_size, seven_bit)
+        # Every step streams these: one arena on huge pages (huge_pages.py), before the
+        # decoder stack takes its references.
+        to_huge_pages(_weight_holders(model))
         if self.stack and model.stackable:
             model.fast_forward = StackForward(build_stack(model, k))
         if self.deterministic and model.rope_table is None:
@@ -489,11 +503,12 @@ class CpuBackend(Backend):
         return arch.head_dim + INT8_ROW_EXTRA  # int8 values and a float32 scale per token and kv head
 
     def allocate_kv_cache(self, num_layers, num_kv_heads, num_blocks, block_size, head_dim):
+        # On huge pages (huge_pages.py): a decode reads its blocks scattered over the cache.
         if self.kv_cache_dtype != "int8":
-            return super().allocate_kv_cache(num_layers, num_kv_heads, num_blocks, block_size, head_dim)
-        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim + INT8_ROW_EXTRA)  # layout: kv_int8.py
-        return [(torch.zeros(shape, dtype=torch.uint8, device=self.device),
-                 torch.zeros(shape, dtype=torch.uint8, device=self.device)) for _ in range(num_layers)]
+            shape, dtype = (num_kv_heads, num_blocks + 1, block_size, head_dim), self.dtype
+        else:
+            shape, dtype = (num_kv_heads, num_blocks + 1, block_size, head_dim + INT8_ROW_EXTRA), torch.uint8
+        return [(huge_zeros(shape, dtype), huge_zeros(shape, dtype)) for _ in range(num_layers)]
 
     # -- one step -----------------------------------------------------------------
     def attention_metadata(self, batch: FlatBatch) -> AttentionMetadata:
