@@ -6,7 +6,15 @@
 - int8 dot products as the build does them: AVX2's vpmaddubsw + vpmaddwd + vpaddd (w8a8's
   inner step), AVX-VNNI's 256-bit vpdpbusd (avx2_vnni) or AVX-512 VNNI's vpdpbusd, in G int8 ops/s (a multiply and an add per
   byte pair), one core and all;
-- memory: GB/s of reading a 1 GiB buffer with vector loads, all cores.
+- memory: GB/s of reading a 1 GiB buffer with vector loads, all cores;
+- AVX-512 only, what bounds the int8 kernels and a decode's attention:
+  - vpdpbusd beside FMAs: 8 vpdpbusd and 3 float multiply-adds a round, w4a8's mix (per
+    row, 16 columns and block of 32: 8 dot products, then the block's scale times the
+    activation's, and two multiply-adds). Where the FMAs take the vpdpbusd pipes the rate
+    falls to 8/11 of the peak: the 4-bit kernels' ceiling;
+  - scattered blocks: reading 2 KB blocks (a bf16 KV block of 16 rows of 64) in a random
+    order, as a decode walks its block tables, on 4 KB pages and on huge pages
+    (backends/cpu/huge_pages.py), all cores.
 Each figure is the best of 5 runs (a ceiling, not a typical value).
 """
 from __future__ import annotations
@@ -127,6 +135,60 @@ double int8_peak(int64_t iters, int threads) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// int8 ops by `threads` threads, each round 8 vpdpbusd (8 chains) and 3 FMAs (3 chains):
+// w4a8's mix of dot products and float block arithmetic. Counts the vpdpbusd's ops only.
+double int8_fma_mix(int64_t iters, int threads) {
+  int64_t sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    VI acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_set1_epi32(i);
+    V f0 = SET1(1.f), f1 = SET1(2.f), f2 = SET1(3.f);
+    const VI w = _mm512_set1_epi32(0x01020304), x = _mm512_set1_epi32(0x01010101);
+    const V m = SET1(0.999999f), c = SET1(1e-7f);
+    for (int64_t it = 0; it < iters; ++it) {
+      for (int i = 0; i < 8; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
+      f0 = FMA(f0, m, c); f1 = FMA(f1, m, c); f2 = FMA(f2, m, c);
+    }
+    for (int i = 1; i < 8; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
+    sink += _mm512_reduce_add_epi32(acc[0]) + static_cast<int64_t>(_mm512_reduce_add_ps(FMA(f0, f1, f2)));
+  }
+  if (sink == 12345) printf("%ld", static_cast<long>(sink));
+  return 2.0 * LANES * 4 * 8 * iters * threads;
+}
+#else
+double int8_fma_mix(int64_t, int) { return 0; }
+#endif
+
+// Reads the 2 KB blocks of buf in the order `order` gives (block numbers), each block's
+// 32 lines with vector loads, split over the threads; returns bytes read.
+double read_blocks(torch::Tensor buf, torch::Tensor order, int threads) {
+  const int8_t* p = buf.data_ptr<int8_t>();
+  const int64_t* o = order.data_ptr<int64_t>();
+  const int64_t n = order.numel(), bytes = 2048;
+  int64_t sink = 0;
+#pragma omp parallel for num_threads(threads) reduction(+ : sink)
+  for (int64_t i = 0; i < n; ++i) {
+    const int8_t* b = p + o[i] * bytes;
+    VI a = LOADI(b);
+    for (int64_t j = LANES * 4; j < bytes; j += LANES * 4) {
+#if defined(__AVX512F__)
+      a = _mm512_add_epi32(a, LOADI(b + j));
+#else
+      a = _mm256_add_epi32(a, LOADI(b + j));
+#endif
+    }
+#if defined(__AVX512F__)
+    sink += _mm512_reduce_add_epi32(a) & 1;
+#else
+    sink += _mm256_extract_epi32(a, 0) & 1;
+#endif
+  }
+  if (sink == -1) printf("x");
+  return static_cast<double>(n * bytes);
+}
+
 // Reads buf (bytes) once with all threads; returns bytes read.
 double read_bw(torch::Tensor buf, int threads) {
   const int8_t* p = buf.data_ptr<int8_t>();
@@ -165,7 +227,7 @@ def main() -> None:
     ap.add_argument("--isa", default="avx2", choices=list(FLAGS))
     args = ap.parse_args()
     mod = load_inline(f"sluice_machine_limits_{args.isa}", cpp_sources=SOURCE,
-                      functions=["fma_peak", "int8_peak", "read_bw"],
+                      functions=["fma_peak", "int8_peak", "read_bw", "int8_fma_mix", "read_blocks"],
                       extra_cflags=["-O3", "-funroll-loops", "-fopenmp", *FLAGS[args.isa]], extra_ldflags=["-fopenmp"])
     threads = torch.get_num_threads()
     op = {"avx512": "vpdpbusd", "avx2_vnni": "vpdpbusd (VEX, 256 bits)"}.get(args.isa, "vpmaddubsw + vpmaddwd + vpaddd")
@@ -175,6 +237,22 @@ def main() -> None:
         print(f"int8 {op}, {t} core(s): {best_rate(mod.int8_peak, 20_000_000 // t, t) / 1e9:.0f} G int8 ops/s")
     buf = torch.ones(2**30, dtype=torch.int8)
     print(f"memory read, {threads} cores: {best_rate(mod.read_bw, buf, threads) / 1e9:.1f} GB/s")
+    if args.isa == "avx512":
+        for t in sorted({1, threads}):
+            print(f"int8 vpdpbusd with w4a8's 3 FMAs per 8, {t} core(s): "
+                  f"{best_rate(mod.int8_fma_mix, 20_000_000 // t, t) / 1e9:.0f} G int8 ops/s")
+    # 256 MB of 2 KB blocks (a c32 decode's K/V at ~300 tokens is ~200 MB), read in a random
+    # order, on 4 KB pages (torch's allocation) and on huge pages.
+    from sluice.backends.cpu.huge_pages import huge_zeros
+    del buf
+    order = torch.randperm(2**17)
+    small = torch.ones(2**28, dtype=torch.int8)
+    print(f"scattered 2 KB blocks, 4 KB pages, {threads} cores: "
+          f"{best_rate(mod.read_blocks, small, order, threads) / 1e9:.1f} GB/s")
+    del small
+    huge = huge_zeros((2**28,), torch.int8).fill_(1)
+    print(f"scattered 2 KB blocks, huge pages, {threads} cores: "
+          f"{best_rate(mod.read_blocks, huge, order, threads) / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":
