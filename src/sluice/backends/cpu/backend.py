@@ -395,7 +395,7 @@ class CpuBackend(Backend):
             if scheme is not None:
                 scheme.quantize_rows(module)
             module.method = self._linear_method(model, name, module, scheme)
-        self._finish(model, scheme, max_positions, with_head)
+        self._finish(model, scheme, max_positions, with_head, huge_pages=True)
 
     @torch.no_grad()
     def update(self, model, quantization: str | None, written: dict[str, list[tuple[int, int]]],
@@ -434,9 +434,11 @@ class CpuBackend(Backend):
         packed = PackedWeight(prepack_weight(module.weight)) if self.linear.endswith("onednn-bf16") else None
         return packed if scheme is None else scheme.torch_method(module, self.dtype, packed)
 
-    def _finish(self, model, scheme, max_positions: int | None, with_head: bool) -> None:
+    def _finish(self, model, scheme, max_positions: int | None, with_head: bool, huge_pages: bool = False) -> None:
         """What holds more than one layer's weights: the LM head, the greedy head, the decoder
-        stack; and the ops and RoPE table of the kernels."""
+        stack; and the ops and RoPE table of the kernels. huge_pages: first move the packed
+        weights onto huge pages (at load; a weight update's new rows stay where they are
+        made rather than copy every weight again)."""
         int8_head = None
         k = self.model_kernels
         packed_head = (NotImplemented if scheme is None or k is None
@@ -480,7 +482,8 @@ class CpuBackend(Backend):
                                                model.arch.vocab_size, seven_bit)
         # Every step streams these: one arena on huge pages (huge_pages.py), before the
         # decoder stack takes its references.
-        to_huge_pages(_weight_holders(model))
+        if huge_pages:
+            to_huge_pages(_weight_holders(model))
         if self.stack and model.stackable:
             model.fast_forward = StackForward(build_stack(model, k))
         if self.deterministic and model.rope_table is None:

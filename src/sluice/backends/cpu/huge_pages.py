@@ -7,10 +7,10 @@ A decode's attention reads each sequence's K/V rows block by block through its b
 prefetchers stop at every page boundary. Linux hands a process 2 MB pages where it asks for
 them (`madvise(MADV_HUGEPAGE)`), which is what most distributions' default THP setting
 ("madvise") waits for; torch's allocator never asks. So the cache is mapped here, advised,
-and wrapped as a tensor: a c32 decode step's attention over 30 layers of scattered blocks
-went from 6.86 to 6.03 ms (docs/benchmarks.md, "Huge pages"). The packed weights (one
-arena for all of them) save the TLB misses of a one-row step's ~100 MB stream: 2.77 to 2.67
-ms a step.
+and wrapped as a tensor, and the packed weights are copied into one such arena. Reading 2
+KB blocks in a random order went from 34 to 52 GB/s on the Zen 5 box (machine_limits.py);
+what the kernels gain is smaller and varies between sittings (docs/benchmarks.md, "Huge
+pages").
 
 Where the kernel refuses (THP "never", another OS) the mapping stays on small pages: the
 same memory, zeroed, just as torch.zeros would give.
