@@ -8,7 +8,8 @@ they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activation
 int8 activations), and the LM head, by rows.
 Attention: `paged_attention_varlen` per layer, decode (B sequences of L cached tokens)
 and one prompt of L tokens; and a c32 decode step's 30 layers with the K/V streaming from
-memory; each with a bf16 cache and an int8 one (`--kv-cache-dtype int8`). Medians of repeated calls, in ms.
+memory (on huge pages, as the engine's cache is, and a bf16 cache on 4 KB pages too); each
+with a bf16 cache and an int8 one (`--kv-cache-dtype int8`). Medians of repeated calls, in ms.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import torch
 
 from sluice.backends.cpu import x86 as kernels
+from sluice.backends.cpu.huge_pages import huge_zeros
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA, int8_cache_from_dense
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -127,9 +129,16 @@ def main() -> None:
     table = torch.randperm(b * nb + 64)[:b * nb].view(b, nb)
     qs, lens = torch.arange(b + 1), torch.full((b,), ctx)
     q = torch.randn(b, heads, dim, dtype=torch.bfloat16)
-    variants = {"bf16": (dim * 2, [(layer[0], layer[1]) for layer in layers]),
-                "int8": (dim + INT8_ROW_EXTRA, [(int8_cache_from_dense(layer[0], True),
-                                                 int8_cache_from_dense(layer[1], False)) for layer in layers])}
+    # On huge pages as the engine's cache is (backends/cpu/huge_pages.py), and on torch's
+    # 4 KB pages for comparison.
+    huge = huge_zeros(tuple(layers.shape), torch.bfloat16).copy_(layers)
+
+    def on_huge(t: torch.Tensor) -> torch.Tensor:
+        return huge_zeros(tuple(t.shape), t.dtype).copy_(t)
+    variants = {"bf16": (dim * 2, [(layer[0], layer[1]) for layer in huge]),
+                "bf16 on 4 KB pages": (dim * 2, [(layer[0], layer[1]) for layer in layers]),
+                "int8": (dim + INT8_ROW_EXTRA, [(on_huge(int8_cache_from_dense(layer[0], True)),
+                                                 on_huge(int8_cache_from_dense(layer[1], False))) for layer in layers])}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(5):  # alternating, so that both see the same spells of this shared machine
         for name, (_, per_layer) in variants.items():
