@@ -224,9 +224,9 @@ def _weight_holders(model) -> list:
     """Everything that holds the kernels' packed weights: each Linear's method, the LM head
     and the greedy head, and the packed embedding's head method (quantization='gguf'), so
     that moving them leaves no second copy alive."""
-    rows = getattr(getattr(model.model.embed_tokens, "method", None), "method", None)
+    embedding_head = getattr(getattr(model.model.embed_tokens, "method", None), "method", None)
     held = [m.method for _, m in _linears(model)] + [getattr(model, "head", None), getattr(model, "greedy_head", None),
-                                                     rows]
+                                                     embedding_head]
     return [h for h in held if isinstance(h, (KernelWeight, GreedyHead))]
 
 

@@ -44,7 +44,7 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults then take 2 MB pages
     except OSError as e:
         if not _warned:
-            logger.info("huge pages refused (%s): the KV cache stays on 4 KB pages", e)
+            logger.info("huge pages refused (%s): the KV cache and weights stay on 4 KB pages", e)
             _warned = True
     # frombuffer's tensor keeps `region` alive. Anonymous memory reads as zeros, but is
     # written here all the same: every page faults in now (as torch.zeros's memset does),
