@@ -10,7 +10,7 @@ through the real scheduler in simulated time (agents_sim.py), medians over seeds
 Shapes: `short` = 96 programs, 90% of 2-3 calls, 60-120-token tool results; `long` = 24
 programs of 8-12 calls with 300-600-token tool results (big histories). Configurations:
 fcfs (no sessions: prefix caching and LRU, what other engines do), fcfs + the tier,
-program + sessions (PLAS, pins, warm calls first, the door), and program + sessions + the
+fcfs + sessions (pins in FCFS order) with and without the tier, program + sessions (PLAS, pins, warm calls first, the door), and program + sessions + the
 tier. The table gives FCFS's job times and each other configuration's speed-up on them
 (FCFS's time / its time: above 1 is better), and the throughput ratio. Its headroom column
 is FCFS's time over each program's time alone on an idle server (`--isolated`): no
@@ -30,6 +30,10 @@ SHAPES = {"short": ["--programs", "96", "--short-frac", "0.9", "--tool-len", "60
           "long": ["--programs", "24", "--short-frac", "0", "--tool-len", "300", "600"]}
 CONFIGS = {"fcfs": ["--policy", "fcfs"],
            "fcfs+tier": ["--policy", "fcfs", "--offload-gib", "OFFLOAD"],
+           # Sessions (pins) under FCFS order: what a session-carrying client got by default
+           # before `auto` made program its policy.
+           "fcfs+sessions": ["--policy", "fcfs", "--sessions"],
+           "fcfs+sessions+tier": ["--policy", "fcfs", "--sessions", "--offload-gib", "OFFLOAD"],
            "program": ["--policy", "program", "--sessions"],
            "program+tier": ["--policy", "program", "--sessions", "--offload-gib", "OFFLOAD"]}
 # Each program alone on an idle server with a cache that holds it (agents_sim.py --isolated):
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=[],
                     help="also program + sessions + tier with each of these agents_sim.py --variant schedulers")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+    ap.add_argument("--configs", nargs="+", default=["fcfs", "fcfs+tier", "program", "program+tier"],
+                    choices=list(CONFIGS),
                     help="configurations to run (fcfs, the baseline, always runs)")
     args = ap.parse_args(argv)
     configs = ["fcfs"] + [c for c in args.configs if c != "fcfs"] + [f"program+tier+{v}" for v in args.variants]

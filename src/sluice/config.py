@@ -83,7 +83,7 @@ class CacheConfig:
     kv_offload_dtype: str = "auto"
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "program", "fair")
+SCHEDULING_POLICIES = ("auto", "fcfs", "priority", "program", "fair")
 
 
 def parse_name_weights(items: list[str], flag: str, what: str = "WEIGHT") -> dict[str, float]:
@@ -109,9 +109,10 @@ class SchedulerConfig:
     # all of it; 2,048 on a GPU, which runs it in one go).
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
-    # Who is admitted (and preempted) first: fcfs, priority, program or fair (see
+    # Who is admitted (and preempted) first: auto (program while calls with a session are
+    # queued or running, else fcfs), fcfs, priority, program or fair (see
     # core/scheduler.py's docstring).
-    policy: str = "fcfs"
+    policy: str = "auto"
     # `program`: a call waiting this long goes ahead of every call that has not.
     starvation_s: float = 30.0
     # Sessions (core/sessions.py): a call's blocks stay pinned this long after it ends

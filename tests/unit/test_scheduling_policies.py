@@ -155,6 +155,45 @@ def test_program_holds_new_programs_at_the_door_while_live_ones_fill_the_pin_bud
     assert admission_order(s) == ["c-1"]
 
 
+def test_auto_is_fcfs_without_sessions_and_program_while_session_calls_are_in():
+    clock = Clock()
+    s = make(max_num_seqs=1, clock=clock, session_ttl_s=0)
+    assert s.config.policy == "auto" and s.policy == "fcfs"
+    # A queued session call switches it to program, its end back to fcfs.
+    s.add_request(req("long-1", 36, max_tokens=4, arrival=clock.t, session_id="long"))
+    assert s.policy == "program"
+    admission_order(s)
+    assert s.policy == "fcfs" and s.num_session_calls == 0
+    # test_program_orders_by_attained_service...'s queue: session calls are in, so PLAS
+    # orders it (fcfs would admit long-2 first).
+    s.add_request(req("long-2", 8, arrival=clock.t + 1, session_id="long"))
+    s.add_request(req("short-1", 8, arrival=clock.t + 1.5, session_id="short"))
+    s.add_request(req("solo", 8, arrival=clock.t + 1.7))
+    assert admission_order(s) == ["short-1", "solo", "long-2"]
+    assert s.policy == "fcfs" and s.num_session_calls == 0
+    # Sessionless requests alone: arrival order again, whatever they have been served.
+    for rid in ("x", "y", "z"):
+        s.add_request(req(rid, 4, arrival=clock.t + 2))
+    assert admission_order(s) == ["x", "y", "z"]
+    # An aborted session call counts out too (the switch never sticks on program).
+    s.add_request(req("gone", 8, arrival=clock.t + 3, session_id="short"))
+    assert s.policy == "program"
+    s.finish_request("gone", RequestStatus.FINISHED_ABORTED)
+    assert s.policy == "fcfs" and s.num_session_calls == 0
+
+
+def test_auto_holds_a_new_program_at_the_door_but_not_a_sessionless_request():
+    clock = Clock()
+    s = make(num_blocks=16, clock=clock)               # the default policy: auto
+    s.add_request(req("a-1", [1000 + j for j in range(20)], max_tokens=8, arrival=clock.t, session_id="a"))
+    step(s)
+    s.add_request(req("b-1", [2000 + j for j in range(16)], max_tokens=2, arrival=clock.t, session_id="b"))
+    s.add_request(req("solo", [3000 + j for j in range(4)], max_tokens=2, arrival=clock.t + 1))
+    plan, _ = step(s)
+    assert [e.request_id for e in plan.scheduled] == ["a-1", "solo"]
+    assert s.sessions.stats.held_at_door == 1
+
+
 @pytest.mark.parametrize("pins", [True, False])
 def test_the_door_bounds_a_new_programs_wait_and_is_off_without_pins(pins):
     clock = Clock()

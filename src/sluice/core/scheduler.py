@@ -32,6 +32,13 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
   fair      VTC: the waiting request of the tenant with the lowest counter (weighted tokens
             served / weight) first, in arrival order within a tenant; the running request of
             the tenant with the highest counter is preempted.
+  auto      (the default) program while a call that carries a session is queued or
+            running, else fcfs. Requests without sessions are ordered as they always were;
+            agent programs, which say who they are by their session_id, get the policy
+            that is never behind FCFS on their load and 2-8x faster at its median where
+            FCFS thrashes (docs/benchmarks.md, "The agent sweep"). Under program a
+            sessionless request is a program of its own with no service yet, so it is not
+            put behind the agents either.
 Sessions (pinned KV between calls) work under every policy.
 
 Stalls. A request resumed after a preemption that has not sampled a token since is the
@@ -211,6 +218,8 @@ class Scheduler:
         self.num_stall_resumptions = 0  # streams brought back by max_stream_stall_s
         self.sessions = SessionTable(kv.pool, config.session_ttl_s, config.session_ttl_max_s,
                                      config.max_pinned_fraction, config.max_sessions, clock)
+        # Calls carrying a session, queued or running: what `auto` switches on.
+        self.num_session_calls = 0
         self.tenants = TenantCounters(config.tenant_weights)
         # Per step, for the step log and metrics: the policy's admissions and preemptions.
         self.last_decisions: list[str] = []
@@ -253,7 +262,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.session_id is not None:
             request.session = self.sessions.open((request.tenant, request.session_id), self.clock())
+            self.num_session_calls += 1
         self.waiting.append(request)
+
+    @property
+    def policy(self) -> str:
+        """The policy deciding now: the configured one, `auto` resolved."""
+        if self.config.policy != "auto":
+            return self.config.policy
+        return "program" if self.num_session_calls else "fcfs"
 
     def _backlogged_tenants(self) -> set[str]:
         return {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
@@ -270,7 +287,7 @@ class Scheduler:
 
     def _next_waiting(self, now: float) -> Request | None:
         """The waiting request the policy admits next (None: none may enter now)."""
-        policy = self.config.policy
+        policy = self.policy
         waiting = self.waiting
         full = self._adapters_full()
         if full is not None:
@@ -366,7 +383,7 @@ class Scheduler:
         pool runs dry; one resumed and not sampled since only when no other is left."""
         candidates = self.running if candidates is None else candidates
         candidates = [r for r in candidates if not self._resumed_idle(r)] or candidates
-        policy = self.config.policy
+        policy = self.policy
         if policy == "fcfs":
             return candidates[-1]
         order = {id(r): i for i, r in enumerate(self.running)}  # later admitted = later
@@ -549,7 +566,7 @@ class Scheduler:
                 self.waiting.popleft()
             else:
                 self.waiting.remove(req)
-                decisions.append(f"admit {req.request_id} ({self.config.policy})")
+                decisions.append(f"admit {req.request_id} ({self.policy})")
             self._admit(req, prefix)
             if req.num_computed_tokens + n < req.num_prompt_tokens:
                 prefilling.append(req)
@@ -784,6 +801,7 @@ class Scheduler:
             # aborted or failed one does not.
             pin = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
             self.sessions.call_ended(req.session, self.kv.history(req) if pin else None, pin)
+            self.num_session_calls -= 1
             req.session = None  # (ended once, whatever removes it later)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)

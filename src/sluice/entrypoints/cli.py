@@ -10,7 +10,7 @@ import sys
 import uuid
 
 from sluice.backends.platform import CPU_ISAS
-from sluice.config import DEFAULT_MODEL, parse_name_weights
+from sluice.config import DEFAULT_MODEL, SCHEDULING_POLICIES, parse_name_weights
 from sluice.quantization import NAMES as QUANTIZATION_NAMES
 
 
@@ -72,10 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS),
                    help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx2_vnni or "
                         "avx2 force a lower build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "program", "fair"],
+    g.add_argument("--scheduling-policy", default="auto", choices=list(SCHEDULING_POLICIES),
                    help="who is admitted and preempted first: fcfs (arrival); priority (the request's priority, "
                         "lower first); program (the session whose calls have had the least service first, "
-                        "Autellix's PLAS); fair (per-tenant fair shares of tokens, VTC). Default fcfs")
+                        "Autellix's PLAS); fair (per-tenant fair shares of tokens, VTC); auto (default): program "
+                        "while requests carrying a session_id are queued or running, else fcfs")
     g.add_argument("--starvation-timeout", type=float, default=30.0,
                    help="program policy: a call waiting this many seconds goes ahead of the rest (default 30)")
     g.add_argument("--session-ttl", type=float, default=30.0,
