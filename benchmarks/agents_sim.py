@@ -234,8 +234,19 @@ class PinDoorScheduler(Scheduler):
             self.kv.offload = offload
 
 
+class ArrivalOrderScheduler(Scheduler):
+    """`program` with its door and warm calls first, but the calls in arrival order instead
+    of PLAS's least service first (the tail's programs are the most served). With a KV
+    tier this is what the engine's scheduler does (Scheduler._program_key); without one,
+    the variant to compare."""
+
+    def _program_key(self, r, now):
+        return (0 if now - r.arrival_time >= self.config.starvation_s else 1, not self._is_warm(r), r.arrival_time)
+
+
 # --variant: a scheduler changed in one place, to compare against the engine's own.
-VARIANTS = {"nodoor": NoDoorScheduler, "adaptive": AdaptiveDoorScheduler, "pindoor": PinDoorScheduler}
+VARIANTS = {"nodoor": NoDoorScheduler, "adaptive": AdaptiveDoorScheduler, "pindoor": PinDoorScheduler,
+            "arrival": ArrivalOrderScheduler}
 
 
 def load(args) -> list[dict]:

@@ -212,6 +212,22 @@ def test_the_door_bounds_a_new_programs_wait_and_is_off_without_pins(pins):
 
 
 @pytest.mark.parametrize("tier", [False, True])
+def test_with_a_kv_tier_program_orders_cold_calls_by_arrival_not_service(tier):
+    clock = Clock()
+    kv = KVCacheManager(64, BS, enable_caching=True, offload=OffloadIndex(64, block_size=BS) if tier else None)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, policy="program", session_ttl_s=0),
+                  kv, 256, clock=clock)
+    s.add_request(req("long-1", 36, max_tokens=4, arrival=clock.t, session_id="long"))
+    admission_order(s)
+    clock.t += 1
+    s.add_request(req("long-2", 8, arrival=clock.t, session_id="long"))
+    s.add_request(req("short-1", 8, arrival=clock.t + 0.5, session_id="short"))
+    s.add_request(req("solo", 8, arrival=clock.t + 0.7))
+    # Without a tier PLAS: the least-served programs first. With one: arrival order.
+    assert admission_order(s) == (["long-2", "short-1", "solo"] if tier else ["short-1", "solo", "long-2"])
+
+
+@pytest.mark.parametrize("tier", [False, True])
 def test_with_a_kv_tier_the_door_counts_running_calls_not_pins(tier):
     # 32 blocks of 4: the pin budget is 16 blocks; with a tier the door's is half of it, 8
     # blocks of running calls (a pin pushed out goes to the tier and comes back as a copy).

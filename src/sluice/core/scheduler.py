@@ -28,7 +28,9 @@ Who is admitted next, and who is preempted, is the policy's (SchedulerConfig.pol
             budget (max_pinned_fraction of the cache); else it waits until live programs
             finish, and the earliest new program that fits enters first (_door_open).
             With a KV offload tier the door counts running calls' blocks only, against
-            half the pin budget (pins pushed out go to the tier, not lost).
+            half the pin budget (pins pushed out go to the tier, not lost), and the calls
+            inside go warm first, then in arrival order (PLAS's least-served-first costs
+            the tail more than it saves once histories are not lost: _program_key).
   fair      VTC: the waiting request of the tenant with the lowest counter (weighted tokens
             served / weight) first, in arrival order within a tenant; the running request of
             the tenant with the highest counter is preempted.
@@ -315,9 +317,20 @@ class Scheduler:
         return next(r for r in waiting if r.tenant == tenant)
 
     def _program_key(self, r: Request, now: float) -> tuple:
-        """`program`'s order among the waiting calls the door lets in (smallest first)."""
+        """`program`'s order among the waiting calls the door lets in (smallest first).
+
+        With a KV offload tier, warm calls first and then arrival order, not PLAS: once a
+        pushed-out history comes back as a copy, what PLAS buys (short programs not stuck
+        behind long ones that are about to lose their histories anyway) is small, and what
+        it costs shows: the most-served programs, the tail, always go last. In the
+        simulated sweep arrival order took the long shape's p99 from 6.07x / 4.00x FCFS's
+        to 7.75x / 5.76x at its two thrashing cells (0.25 GiB) and its p50 from 5.76x to
+        6.87x at the heavier one; the short shape's cells moved within 0.2x both ways
+        (docs/lab-notes.md, "The door with a tier")."""
         if now - r.arrival_time >= self.config.starvation_s:
             return (0, 0, 0, r.arrival_time)  # starved: ahead of the rest, oldest first
+        if self.kv.offload is not None:
+            return (1, not self._is_warm(r), 0, r.arrival_time)
         return (1, not self._is_warm(r), self._service(r), r.arrival_time)
 
     def _adapters_full(self) -> set | None:
