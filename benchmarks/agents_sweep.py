@@ -10,8 +10,9 @@ through the real scheduler in simulated time (agents_sim.py), medians over seeds
 Shapes: `short` = 96 programs, 90% of 2-3 calls, 60-120-token tool results; `long` = 24
 programs of 8-12 calls with 300-600-token tool results (big histories). Configurations:
 fcfs (no sessions: prefix caching and LRU, what other engines do), fcfs + the tier,
-fcfs + sessions (pins in FCFS order) with and without the tier, program + sessions (PLAS, pins, warm calls first, the door), and program + sessions + the
-tier. The table gives FCFS's job times and each other configuration's speed-up on them
+fcfs + sessions (pins in FCFS order) with and without the tier, program + sessions (PLAS,
+pins, warm calls first, the door), and program + sessions + the tier (arrival order
+instead of PLAS inside the door). The table gives FCFS's job times and each other configuration's speed-up on them
 (FCFS's time / its time: above 1 is better), and the throughput ratio. Its headroom column
 is FCFS's time over each program's time alone on an idle server (`--isolated`): no
 configuration's speed-up at that percentile can exceed it, so a target above it is out of
