@@ -20,8 +20,14 @@ of `sluice bench serve` (64-token prompts, 64 outputs); the inter-token latency 
 the offline step time at that batch size is what the server costs per token (HTTP, SSE,
 the event loop, the GIL shared with the engine thread).
 
-By kind: the same decode steps with the model's Python loop over its layers instead of
-the one-call decoder stack (the same kernels), each Linear (by role) and each op timed.
+By kind: where the one-call decoder stack runs the layers (a Llama-shaped model on the CPU
+kernels), the same decode steps with the stack's own clock on (DecoderStack.set_profile:
+the calling thread's wall time per kind of kernel call, so a linear call includes waiting
+for the other threads' shares); "other" is the forward's rest (embedding, RoPE tables, the
+first norm, the call into the stack). Elsewhere, the model's Python loop over its layers
+instead (the same kernels, one call each), each Linear (by role) and each op timed: that
+loop's own cost inflates the forward, so those rows say where the time goes, not what a
+step takes.
 """
 from __future__ import annotations
 
@@ -154,13 +160,71 @@ class _TimedOps:
         return timed
 
 
-def layer_kinds(engine, batches: list[int], rng) -> list[dict]:
-    """The forward by kind of work, per decode step: the model's own Python loop over its
-    layers run instead of the one-call decoder stack (the same kernels, one call each), each
-    Linear's method and each op timed apart. Linears by role (qkv, o, gate_up, down, head),
-    then attention (the paged kernel), rope + K/V write, the residual adds with RMSNorm,
-    SwiGLU; "other" is the forward's rest (embedding, RoPE tables, the loop)."""
+def _decode_steps(engine, b: int, rng, steps: int, measure) -> dict:
+    """b requests (64-token prompts) brought to decoding, then `steps` decode steps run
+    inside measure(run); returns the engine's mean ms per phase over them."""
     from sluice import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i in range(b):
+        engine.add_request(f"k{b}-{i}", [rng.randrange(3, 40000) for _ in range(64)], params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    engine.timings.reset()
+
+    def run():
+        for _ in range(steps):
+            engine.step()
+    measure(run)
+    ms = engine.timings.breakdown_ms()
+    for r in list(engine.scheduler.running):
+        engine.abort(r.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ms
+
+
+def layer_kinds(engine, batches: list[int], rng) -> list[dict]:
+    """The forward by kind of work, per decode step: from the decoder stack's own clock
+    where it runs the layers, else from the model's Python loop."""
+    stack = getattr(engine.runner.model.fast_forward, "stack", None)
+    if stack is not None and hasattr(stack, "set_profile"):
+        return stack_kinds(engine, stack, batches, rng)
+    return loop_kinds(engine, batches, rng)
+
+
+def stack_kinds(engine, stack, batches: list[int], rng) -> list[dict]:
+    """Each kind of kernel call of the decoder stack, timed by the stack itself (the
+    forward as the engine runs it, its other parts as "other")."""
+    rows, steps = [], 40
+    for b in batches:
+        def measure(run):
+            stack.reset_profile()
+            stack.set_profile(True)
+            try:
+                run()
+            finally:
+                stack.set_profile(False)
+        ms = _decode_steps(engine, b, rng, steps, measure)
+        names, seconds, calls = stack.profile()
+        if calls != steps:  # a step the stack did not take (its Python loop ran instead)
+            raise RuntimeError(f"the decoder stack ran {calls} of {steps} decode steps at batch {b}")
+        row = {"batch": b, "source": "decoder stack", "forward": round(ms["forward"], 3)}
+        for name, sec in sorted(zip(names, seconds), key=lambda kv: -kv[1]):
+            row[name] = round(1e3 * sec / steps, 3)
+        row["other"] = round(ms["forward"] - 1e3 * sum(seconds) / steps, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def loop_kinds(engine, batches: list[int], rng) -> list[dict]:
+    """The same decode steps with the model's own Python loop over its layers run instead
+    of the one-call decoder stack (the same kernels, one call each), each Linear's method
+    and each op timed apart. Linears by role (qkv, o, gate_up, down, head), then attention
+    (the paged kernel), rope + K/V write, the residual adds with RMSNorm, SwiGLU; "other"
+    is the forward's rest (embedding, RoPE tables, the loop)."""
     model = engine.runner.model
     spent: dict[str, float] = {}
     saved_ff, saved_ops, saved_methods = model.fast_forward, {}, {}
@@ -181,32 +245,19 @@ def layer_kinds(engine, batches: list[int], rng) -> list[dict]:
                     return out
                 saved_methods[name] = method
                 m.method = timed
-        rows = []
+        rows, steps = [], 20
         for b in batches:
-            params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-            for i in range(b):
-                engine.add_request(f"k{b}-{i}", [rng.randrange(3, 40000) for _ in range(64)], params)
-            while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                  for r in engine.scheduler.running):
-                engine.step()
-            engine.step()
-            spent.clear()
-            engine.timings.reset()
-            steps = 20
-            for _ in range(steps):
-                engine.step()
-            ms = engine.timings.breakdown_ms()
-            row = {"batch": b, "forward": round(ms["forward"], 3)}
+            def measure(run):
+                spent.clear()
+                run()
+            ms = _decode_steps(engine, b, rng, steps, measure)
+            row = {"batch": b, "source": "Python layer loop", "forward": round(ms["forward"], 3)}
             for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
                 row[k] = round(1e3 * v / steps, 3)
             timed_forward = sum(v for k, v in spent.items() if k != "head") * 1e3 / steps
             row["other"] = round(ms["forward"] - timed_forward, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            for r in list(engine.scheduler.running):
-                engine.abort(r.request_id)
-            while engine.has_unfinished_requests():
-                engine.step()
         return rows
     finally:
         model.fast_forward = saved_ff
@@ -282,8 +333,8 @@ def main() -> int:
               f"{r['update_and_detokenize']:.2f} | {r['total']:.2f} | "
               + ("– | – |" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} | {r['vs_floor']:.2f}x |"))
     kinds = info["kinds"]
-    names = [k for k in kinds[0] if k not in ("batch", "forward")]
-    print("\nThe forward by kind (the Python layer loop, ms per step; the head is outside the forward):\n")
+    names = [k for k in kinds[0] if k not in ("batch", "source", "forward")]
+    print(f"\nThe forward by kind ({kinds[0]['source']}, ms per step; the head is outside the forward):\n")
     print("| batch | forward | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
     for r in kinds:
         print(f"| {r['batch']} | {r['forward']:.2f} | " + " | ".join(f"{r.get(n, 0):.2f}" for n in names) + " |")

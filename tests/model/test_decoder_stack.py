@@ -103,3 +103,27 @@ def test_an_error_inside_the_team_is_raised_and_the_next_steps_run(tiny_checkpoi
     finally:
         torch.set_num_threads(threads)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == first
+
+
+def test_the_stacks_profile_counts_each_kind_and_changes_no_bits(tiny_checkpoint, kernel_isa):
+    """set_profile times each kind of kernel call (benchmarks/step_profile.py's table): off
+    by default, it counts the calls made while on, a reset empties it, and the clock never
+    changes a number."""
+    import torch
+    _, stack, args, _, _ = _stack_and_a_step(tiny_checkpoint, kernel_isa)
+    names, seconds, calls = stack.profile()
+    assert names == ["qkv", "rope_write_kv", "attention", "o", "add_rms_norm", "gate_up", "silu_and_mul", "down"]
+    assert calls == 0 and seconds == [0.0] * len(names)  # the steps above ran with the clock off
+    plain = stack.forward(*args)
+    stack.set_profile(True)
+    try:
+        timed = [stack.forward(*args) for _ in range(3)]
+    finally:
+        stack.set_profile(False)
+    assert all(torch.equal(t, plain) for t in timed)
+    _, seconds, calls = stack.profile()
+    assert calls == 3 and all(s >= 0 for s in seconds) and sum(seconds) > 0
+    stack.forward(*args)  # off again: nothing added
+    assert stack.profile()[2] == 3
+    stack.reset_profile()
+    assert stack.profile()[1:] == ([0.0] * len(names), 0)

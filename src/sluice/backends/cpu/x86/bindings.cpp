@@ -44,7 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("final_norm"))
       .def("add_layer", &sluice::DecoderStack::add_layer)
       .def("set_lora", &sluice::DecoderStack::set_lora)
-      .def("forward", &sluice::DecoderStack::forward);
+      .def("forward", &sluice::DecoderStack::forward)
+      .def("set_profile", &sluice::DecoderStack::set_profile, "time each kind of call of the layers (profile())")
+      .def("profile", &sluice::DecoderStack::profile, "(kinds, seconds per kind, forward calls) since the last reset")
+      .def("reset_profile", &sluice::DecoderStack::reset_profile);
 
   // w8a8.cpp
   m.attr("has_w8a8") = true;

@@ -15,6 +15,9 @@
 // kernels: 548 vs 572 tok/s, medians of three alternating pairs of 256 requests).
 #pragma once
 
+#include <array>
+#include <chrono>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -72,6 +75,13 @@ struct StackLayer {
 
 class DecoderStack {
  public:
+  // What a step's layers spend their time on (benchmarks/step_profile.py): the master
+  // thread's wall time per kind of call, summed over the layers and the steps since the
+  // last reset, while profiling is on. A linear call's time includes quantizing its
+  // activations where it does so itself, and waiting for the other threads' shares.
+  static constexpr std::array<const char*, 8> kProfileKinds = {
+      "qkv", "rope_write_kv", "attention", "o", "add_rms_norm", "gate_up", "silu_and_mul", "down"};
+
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
                at::Tensor final_norm)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
@@ -104,11 +114,21 @@ class DecoderStack {
   // Returns the final norm's output, as LlamaForCausalLM.forward does.
   // The layers run in one thread team (team.h): one fork for the step, not one per
   // kernel call.
+  void set_profile(bool on) { profile_ = on; }
+  // Seconds per kind (kProfileKinds' order) and the number of forward calls profiled.
+  std::tuple<std::vector<std::string>, std::vector<double>, int64_t> profile() const {
+    std::vector<std::string> names(kProfileKinds.begin(), kProfileKinds.end());
+    std::vector<double> seconds(spent_.begin(), spent_.end());
+    return {names, seconds, profiled_calls_};
+  }
+  void reset_profile() { spent_.fill(0.0), profiled_calls_ = 0; }
+
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor query_start,
                      at::Tensor seq_lens, c10::optional<at::Tensor> row_slot) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache pair per layer");
+    if (profile_) ++profiled_calls_;
     at::Tensor out;
     Team::run(at::get_num_threads(), [&] {
       out = layers(x, cos, sin, kv_caches, slot_mapping, block_tables, query_start, seq_lens, row_slot);
@@ -154,6 +174,7 @@ class DecoderStack {
     // with LoRA rows: the adapters' products take the bf16 rows the linear layers do.
     const bool lora = row_slot.has_value();
     bool quantized = false;  // whether this layer's input is b.hidden_q (else h)
+    Clock clock{profile_, spent_};
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
@@ -161,32 +182,42 @@ class DecoderStack {
       if (quantized) l.qkv.into(b.hidden_q, b.qkv);
       else l.qkv.into(h, b.hidden_q, b.qkv);
       l.qkv.add_lora(b.qkv, h, row_slot);
+      clock.mark(0);
       sluice::rope_write_kv_into(b.qkv, cos2, sin2, k_cache, v_cache, slots, num_heads_, num_kv_heads_, b.q);
+      clock.mark(1);
       paged_attention_into(b.q, k_cache, v_cache, plan, scale_, 0, b.attn);
+      clock.mark(2);
       l.o.into(heads, b.heads_q, b.o);
       l.o.add_lora(b.o, heads, row_slot);
+      clock.mark(3);
       sized(b.gate_up, T, l.gate_up.n, opts);
       if (l.gate_up.quantized() && !lora) {
         sluice::add_rms_norm_w8a8_into(b.o, *residual, l.post_attention_norm, eps_, b.hidden_q, b.residual);
+        clock.mark(4);
         l.gate_up.into(b.hidden_q, b.gate_up);
       } else {
         sluice::add_rms_norm_into(b.o, *residual, l.post_attention_norm, eps_, b.h, b.residual);
+        clock.mark(4);
         h = b.h;
         l.gate_up.into(h, b.hidden_q, b.gate_up);
         l.gate_up.add_lora(b.gate_up, h, row_slot);
       }
+      clock.mark(5);
       residual = &b.residual;
       const int64_t inter = l.gate_up.n / 2;
       if (!b.act_q.q.defined() || b.act_q.K != inter) b.act_q = sluice::w8a8_rows(T, inter, opts);
       if (l.down.quantized() && !lora) {
         sluice::silu_and_mul_w8a8_into(b.gate_up, b.act_q);
+        clock.mark(6);
         l.down.into(b.act_q, b.mlp);
       } else {
         sized(b.act, T, inter, opts);
         sluice::silu_and_mul_into(b.gate_up, b.act);
+        clock.mark(6);
         l.down.into(b.act, b.act_q, b.mlp);
         l.down.add_lora(b.mlp, b.act, row_slot);
       }
+      clock.mark(7);
       const bool last = i + 1 == layers_.size();
       const at::Tensor& next_norm = last ? final_norm_ : layers_[i + 1].input_norm;
       quantized = !last && layers_[i + 1].qkv.quantized() && !lora;
@@ -196,9 +227,24 @@ class DecoderStack {
         sluice::add_rms_norm_into(b.mlp, b.residual, next_norm, eps_, b.h, b.residual);
         h = b.h;
       }
+      clock.mark(4);
     }
     return h;
   }
+
+  // Time since the last mark, added to a kind's total (a branch when profiling is off).
+  struct Clock {
+    bool on;
+    std::array<double, kProfileKinds.size()>& spent;
+    std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now()
+                                                    : std::chrono::steady_clock::time_point{};
+    void mark(size_t kind) {
+      if (!on) return;
+      const auto now = std::chrono::steady_clock::now();
+      spent[kind] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+  };
 
   // t as a [rows, cols] tensor: kept where it already is one.
   static void sized(at::Tensor& t, int64_t rows, int64_t cols, const at::TensorOptions& opts) {
@@ -226,6 +272,11 @@ class DecoderStack {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
+  // Profiling (set_profile): mutable since forward is const; the engine thread alone
+  // runs forward and reads or resets the totals between steps.
+  bool profile_ = false;
+  mutable std::array<double, kProfileKinds.size()> spent_{};
+  mutable int64_t profiled_calls_ = 0;
   at::Tensor final_norm_;
   std::vector<StackLayer> layers_;
 };
