@@ -186,6 +186,31 @@ def test_no_block_is_named_by_a_draft():
     assert all(kv.req_blocks["a"][0][i].block_hash == hashes[i] for i in range(named))
 
 
+def test_drafts_take_only_the_budget_prompt_work_leaves():
+    """A draft in a step that prompt chunks fill would push a prompt token into a later
+    step: drafts get what the prompts (prefilling or admissible) leave of the budget."""
+    sched, _ = spec_scheduler(num_blocks=64, budget=16, k=4)
+    req = make_request("a", [9, 10, 11, 12, 13, 14, 15, 9, 10, 11])
+    sched.add_request(req)
+    run_step(sched, {})                        # a's prompt; first token 99
+    req.output_token_ids[-1] = 12              # "9 10 11 12" repeats: a has 4 drafts
+    sched.add_request(make_request("b", list(range(20, 34))))  # 14 prompt tokens
+    plan, _ = run_step(sched, {})
+    by_id = {e.request_id: e for e in plan.scheduled}
+    # 16 = a's token + b's 14 + one draft (before: four drafts, and b's prompt cut to 11).
+    assert by_id["a"].draft_token_ids == [13] and len(by_id["b"].token_ids) == 14
+    # More room beside the prompt: all four drafts.
+    sched2, _ = spec_scheduler(num_blocks=64, budget=24, k=4)
+    req2 = make_request("a", [9, 10, 11, 12, 13, 14, 15, 9, 10, 11])
+    sched2.add_request(req2)
+    run_step(sched2, {})
+    req2.output_token_ids[-1] = 12
+    sched2.add_request(make_request("b", list(range(20, 34))))
+    plan, _ = run_step(sched2, {})
+    by_id = {e.request_id: e for e in plan.scheduled}
+    assert by_id["a"].draft_token_ids == [13, 14, 15, 9] and len(by_id["b"].token_ids) == 14
+
+
 def test_max_tokens_caps_the_drafts():
     sched, _ = spec_scheduler()
     req = make_request("a", [1, 2, 3, 1, 2], max_tokens=3)

@@ -497,7 +497,13 @@ class Scheduler:
         if self.spec is not None:
             # (A request whose last token is still being sampled has nothing to draft from.)
             decodes = [r for r in order if _todo(r) == 1 and not r.num_pending]
-            drafts = self.spec.drafts(decodes[:budget], budget)
+            # Drafts take only the budget that prompt work leaves: in a step that prompt
+            # chunks would fill, each draft pushes a prompt token into a later step, which
+            # costs time-to-first-token and, at c32, throughput too (docs/lab-notes.md).
+            prompts = sum(_todo(r) for r in order if _todo(r) > 1)
+            if admit_more and len(self.running) < self.config.max_num_seqs:
+                prompts += sum(r.num_tokens for r in self.waiting)
+            drafts = self.spec.drafts(decodes[:budget], budget - prompts)
         for req in order:
             if budget == 0:
                 break
