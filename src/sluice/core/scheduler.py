@@ -67,7 +67,8 @@ dropped when step N is processed. Who needs its tokens on the host before its ne
 
 Speculative decoding (spec/): before the decodes are planned, the speculator says which
 decoding requests verify drafted tokens this step; such a request puts its last token and
-the drafts in the step (under the same budget, with KV slots for the drafts), and update()
+the drafts in the step (under what the budget leaves after the step's prompt work, with
+KV slots for the drafts), and update()
 appends the tokens verification kept, one by one, each through the stop checks.
 """
 from __future__ import annotations
