@@ -241,7 +241,8 @@ class ArrivalOrderScheduler(Scheduler):
     the variant to compare."""
 
     def _program_key(self, r, now):
-        return (0 if now - r.arrival_time >= self.config.starvation_s else 1, not self._is_warm(r), r.arrival_time)
+        starved_or_not, cold, _service, arrival = super()._program_key(r, now)
+        return (starved_or_not, cold, 0, arrival)  # the tier's key: PLAS's service dropped
 
 
 # --variant: a scheduler changed in one place, to compare against the engine's own.

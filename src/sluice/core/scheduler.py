@@ -334,6 +334,21 @@ class Scheduler:
             return (1, not self._is_warm(r), 0, r.arrival_time)
         return (1, not self._is_warm(r), self._service(r), r.arrival_time)
 
+    def _prompt_work(self, order: list[Request], budget: int, admit_more: bool) -> int:
+        """Prompt tokens this step could carry (prefilling requests', then the waiting ones'
+        where the step may admit), counted up to the budget: past it nothing is left for
+        drafts anyway, and a long queue is not summed every step."""
+        work = 0
+        for r in order:
+            if (n := _todo(r)) > 1:
+                work += n
+        if admit_more and len(self.running) < self.config.max_num_seqs:
+            for r in self.waiting:
+                if work >= budget:
+                    break
+                work += r.num_tokens
+        return work
+
     def _adapters_full(self) -> set | None:
         """The adapters running when they fill max_loras (a request of another adapter
         waits until one of them ends), else None."""
@@ -501,10 +516,7 @@ class Scheduler:
             # Drafts take only the budget that prompt work leaves: in a step that prompt
             # chunks would fill, each draft pushes a prompt token into a later step, which
             # costs time-to-first-token and, at c32, throughput too (docs/lab-notes.md).
-            prompts = sum(_todo(r) for r in order if _todo(r) > 1)
-            if admit_more and len(self.running) < self.config.max_num_seqs:
-                prompts += sum(r.num_tokens for r in self.waiting)
-            drafts = self.spec.drafts(decodes[:budget], budget - prompts)
+            drafts = self.spec.drafts(decodes[:budget], budget - self._prompt_work(order, budget, admit_more))
         for req in order:
             if budget == 0:
                 break

@@ -109,11 +109,7 @@ class DecoderStack {
     lin.lora_at = at_, lin.lora_bt = bt, lin.lora_ranks = ranks;
   }
 
-  // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer;
-  // row_slot: each row's LoRA slot (-1: none) in a step with adapters, else None.
-  // Returns the final norm's output, as LlamaForCausalLM.forward does.
-  // The layers run in one thread team (team.h): one fork for the step, not one per
-  // kernel call.
+  // Profiling: time each kind of call while on (kProfileKinds).
   void set_profile(bool on) { profile_ = on; }
   // Seconds per kind (kProfileKinds' order) and the number of forward calls profiled.
   std::tuple<std::vector<std::string>, std::vector<double>, int64_t> profile() const {
@@ -123,6 +119,11 @@ class DecoderStack {
   }
   void reset_profile() { spent_.fill(0.0), profiled_calls_ = 0; }
 
+  // x: [T, hidden] embeddings; cos/sin: [T, 1, D]; one (k, v) cache pair per layer;
+  // row_slot: each row's LoRA slot (-1: none) in a step with adapters, else None.
+  // Returns the final norm's output, as LlamaForCausalLM.forward does.
+  // The layers run in one thread team (team.h): one fork for the step, not one per
+  // kernel call.
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor query_start,
