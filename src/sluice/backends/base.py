@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sluice.core.kv_layout import KVLayout
+from sluice.worker.shapes import bucket
 
 
 @dataclass
@@ -177,6 +178,12 @@ class Backend:
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(num_layers)]
 
     # -- one step -----------------------------------------------------------------
+    def padded_rows(self, n: int) -> int:
+        """The rows a step of n tokens (or an LM-head call of n rows) runs as: one of a few
+        sizes (worker/shapes.py), where ops build a kernel per shape (CUDA graphs, oneDNN's
+        linear layers); the padding rows compute nothing anyone reads."""
+        return bucket(n)
+
     def to_device(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """A step's host list as a tensor on the device (the runner's ids, positions, rows)."""
         return torch.tensor(data, dtype=dtype, device=self.device)

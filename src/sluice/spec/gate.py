@@ -13,7 +13,8 @@ acceptance first), the number m that maximises the step's expected tokens per se
     (R + sum_{i<m} (E_i - 1)) / t(R + sum_{i<m} d_i),     R = the decodes in the step,
 
 m = 0 being plain decoding. t(n) is an exponentially weighted mean of the measured wall
-time of steps of n tokens (n rounded as the runner rounds its batch shapes); a size never
+time of steps of n tokens (n rounded to worker/shapes.bucket's sizes, the runner's padded
+shapes where the backend pads); a size never
 measured is interpolated between the measured sizes around it, or past them estimated
 from the nearest, scaled by PRIOR (a + b n with the
 ratio a/b measured on a 2-core Zen 4, docs/benchmarks.md "Speculative decoding"). The

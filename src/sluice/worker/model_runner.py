@@ -17,7 +17,6 @@ from sluice.config import CacheConfig
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
 from sluice.structured.grammar import MaskFiller
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
-from sluice.worker.shapes import bucket
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,8 @@ class ModelRunner:
         self.layout = backend.kv_layout(self.arch)
         self.layer_places = self.layout.layer_places(self.arch.num_layers)
         self.num_blocks = backend.num_kv_blocks(cache, self.arch, self.num_kv_heads)
-        # One extra block past the pool: padding rows of a bucketed batch write their K/V there.
+        # One extra block past the pool: padding rows of a padded batch (backend.padded_rows)
+        # write their K/V there.
         self.scratch_slot = self.num_blocks * cache.block_size
         self.kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # one pair per tensor slot
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # each layer's pair
@@ -167,11 +167,12 @@ class ModelRunner:
             if e.needs_logits:  # the last row; with drafts, also the rows that verify them
                 logits_rows.extend(range(end - 1 - len(e.draft_token_ids), end))
         num_tokens = len(input_ids)
-        pad = bucket(num_tokens) - num_tokens
+        pad = self.backend.padded_rows(num_tokens) - num_tokens
         if pad:
             input_ids.extend([0] * pad)
             positions.extend([0] * pad)
-        logits_rows.extend([logits_rows[0] if logits_rows else 0] * (bucket(len(logits_rows)) - len(logits_rows)))
+        logits_rows.extend([logits_rows[0] if logits_rows else 0]
+                           * (self.backend.padded_rows(len(logits_rows)) - len(logits_rows)))
 
         def batch(tables: list[list[int]]) -> FlatBatch:
             slots: list[int] = []
@@ -306,7 +307,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         launched = Launched(plan, entries, failed_loads=failed_loads, t0=t0, t1=t1, t2=t2)
         if entries:
-            # logits_rows is padded to a bucket too; the extra rows repeat the first one.
+            # logits_rows is padded as the batch is (backend.padded_rows); extra rows repeat the first.
             rows = hidden.index_select(0, logits_rows)
             n_rows = len(row_entries)
             meta = self._sampling_metadata(row_entries, grammar, offsets)
@@ -394,8 +395,8 @@ class ModelRunner:
         for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             r = rows_t[s:s + PROMPT_LOGPROB_ROWS]
             n = len(r)
-            # Bucketed like the sampling rows (one LM-head kernel per shape); pads repeat row 0.
-            r = torch.cat([r, r[:1].expand(bucket(n) - n)])
+            # Padded like the sampling rows (one LM-head kernel per shape); pads repeat row 0.
+            r = torch.cat([r, r[:1].expand(self.backend.padded_rows(n) - n)])
             logits = self.model.compute_logits(hidden.index_select(0, r))[:n]
             parts.append(token_logprobs(logits, targets_t[s:s + n], k))
         ids = torch.cat([p[0] for p in parts]).tolist()

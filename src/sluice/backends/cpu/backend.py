@@ -30,6 +30,7 @@ from sluice.backends.cpu.linear import KernelWeight, PackedWeight, kernel_weight
 from sluice.backends.cpu.ops import DecodeKernelOps, KernelOps
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA
 from sluice.backends.torch_ref import TORCH_OPS
+from sluice.worker.shapes import bucket
 from sluice.models.linear import Linear
 from sluice.quantization.int8 import quantize_per_channel
 
@@ -368,6 +369,11 @@ class CpuBackend(Backend):
         """The kernels that run the model's layers (linear, norms, RoPE, attention for
         every token), or None where torch's ops do."""
         return self.kernels if self.linear.startswith("kernels") else None
+
+    def padded_rows(self, n: int) -> int:
+        # sluice's kernels run any row count as it is (no kernel per shape): padding would
+        # only add rows to compute, a 129-row step running as 160.
+        return n if self.model_kernels is not None else bucket(n)
 
     def line(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
