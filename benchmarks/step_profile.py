@@ -2,7 +2,7 @@
 judged by.
 
     python benchmarks/step_profile.py [--model smollm2-135m] [--quantization auto] [--kv-cache-dtype auto]
-        [--cpu-isa auto] [--batches 1,8,32,128] [--served 1,32] [--json F]
+        [--cpu-isa auto] [--batches 1,8,32,128] [--served 1,32] [--workload] [--json F]
 
 Offline, one engine (speculation off, so every step is a plain decode): for each batch of
 B requests (64-token prompts), once their prompts are in, the mean over 40 decode steps of
@@ -21,13 +21,17 @@ the offline step time at that batch size is what the server costs per token (HTT
 the event loop, the GIL shared with the engine thread).
 
 By kind: where the one-call decoder stack runs the layers (a Llama-shaped model on the CPU
-kernels), the same decode steps with the stack's own clock on (DecoderStack.set_profile:
+kernels), the same decode and mixed steps with the stack's own clock on (DecoderStack.set_profile:
 the calling thread's wall time per kind of kernel call, so a linear call includes waiting
 for the other threads' shares); "other" is the forward's rest (embedding, RoPE tables, the
 first norm, the call into the stack). Elsewhere, the model's Python loop over its layers
 instead (the same kernels, one call each), each Linear (by role) and each op timed: that
 loop's own cost inflates the forward, so those rows say where the time goes, not what a
-step takes.
+step takes (decode steps only).
+
+`--workload`: the side-by-side tables' c32 workload run offline (64 requests of ~210 prompt
+and 128 output tokens, 32 at a time, greedy) with the stack's clock on: the whole run's
+seconds by phase and by kind of kernel call, prompt steps included.
 """
 from __future__ import annotations
 
@@ -132,6 +136,8 @@ def offline(args, gbps: float) -> tuple[list[dict], dict]:
             while engine.has_unfinished_requests():
                 engine.step()
     info["kinds"] = layer_kinds(engine, args.batches, rng)
+    if args.workload:
+        info["workload"] = workload_kinds(engine, rng)
     return rows, info
 
 
@@ -160,13 +166,14 @@ class _TimedOps:
         return timed
 
 
-def _decode_steps(engine, b: int, rng, steps: int, measure) -> dict:
+def _decode_steps(engine, b: int, rng, steps: int, measure, mixed: bool = False) -> dict:
     """b requests (64-token prompts) brought to decoding, then `steps` decode steps run
-    inside measure(run); returns the engine's mean ms per phase over them."""
+    inside measure(run) (mixed: each beside a new request's 128-token prompt, whole in the
+    step); returns the engine's mean ms per phase over them."""
     from sluice import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=60 + (steps if mixed else 0), ignore_eos=True)
     for i in range(b):
-        engine.add_request(f"k{b}-{i}", [rng.randrange(3, 40000) for _ in range(64)], params)
+        engine.add_request(f"k{b}-{mixed}-{i}", [rng.randrange(3, 40000) for _ in range(64)], params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()
@@ -174,7 +181,10 @@ def _decode_steps(engine, b: int, rng, steps: int, measure) -> dict:
     engine.timings.reset()
 
     def run():
-        for _ in range(steps):
+        for s in range(steps):
+            if mixed:
+                engine.add_request(f"p{b}-{s}", [rng.randrange(3, 40000) for _ in range(128)],
+                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             engine.step()
     measure(run)
     ms = engine.timings.breakdown_ms()
@@ -197,26 +207,65 @@ def layer_kinds(engine, batches: list[int], rng) -> list[dict]:
 def stack_kinds(engine, stack, batches: list[int], rng) -> list[dict]:
     """Each kind of kernel call of the decoder stack, timed by the stack itself (the
     forward as the engine runs it, its other parts as "other")."""
-    rows, steps = [], 40
+    rows = []
     for b in batches:
-        def measure(run):
-            stack.reset_profile()
-            stack.set_profile(True)
-            try:
-                run()
-            finally:
-                stack.set_profile(False)
-        ms = _decode_steps(engine, b, rng, steps, measure)
-        names, seconds, calls = stack.profile()
-        if calls != steps:  # a step the stack did not take (its Python loop ran instead)
-            raise RuntimeError(f"the decoder stack ran {calls} of {steps} decode steps at batch {b}")
-        row = {"batch": b, "source": "decoder stack", "forward": round(ms["forward"], 3)}
-        for name, sec in sorted(zip(names, seconds), key=lambda kv: -kv[1]):
-            row[name] = round(1e3 * sec / steps, 3)
-        row["other"] = round(ms["forward"] - 1e3 * sum(seconds) / steps, 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for mixed in (False, True):
+            steps = 8 if mixed else 40
+
+            def measure(run):
+                stack.reset_profile()
+                stack.set_profile(True)
+                try:
+                    run()
+                finally:
+                    stack.set_profile(False)
+            ms = _decode_steps(engine, b, rng, steps, measure, mixed)
+            names, seconds, calls = stack.profile()
+            if calls != steps:  # a step the stack did not take (its Python loop ran instead)
+                raise RuntimeError(f"the decoder stack ran {calls} of {steps} steps at batch {b}")
+            row = {"batch": b, "mixed": mixed, "source": "decoder stack", "forward": round(ms["forward"], 3)}
+            for name, sec in sorted(zip(names, seconds), key=lambda kv: -kv[1]):
+                row[name] = round(1e3 * sec / steps, 3)
+            row["other"] = round(ms["forward"] - 1e3 * sum(seconds) / steps, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
+
+
+def workload_kinds(engine, rng, requests: int = 64, concurrency: int = 32, prompt: int = 210,
+                   output: int = 128) -> dict | None:
+    """A whole closed-loop workload offline, the standard one of the side-by-side tables
+    (64 requests of ~210 prompt and 128 output tokens, 32 at a time): the seconds of each
+    phase over the run and, where the decoder stack runs the layers, of each kind of
+    kernel call; where a c32 run's time goes, prompt steps included."""
+    from sluice import SamplingParams
+    stack = getattr(engine.runner.model.fast_forward, "stack", None)
+    if stack is None or not hasattr(stack, "set_profile"):
+        return None
+    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
+    engine.timings.reset()
+    stack.reset_profile()
+    stack.set_profile(True)
+    sent, steps, t0 = 0, 0, time.perf_counter()
+    try:
+        while sent < requests or engine.has_unfinished_requests():
+            while sent < requests and len(engine.scheduler.running) + len(engine.scheduler.waiting) < concurrency:
+                engine.add_request(f"w{sent}", [rng.randrange(3, 40000) for _ in range(prompt)], params)
+                sent += 1
+            engine.step()
+            steps += 1
+    finally:
+        stack.set_profile(False)
+    wall = time.perf_counter() - t0
+    ms = engine.timings.breakdown_ms()
+    names, seconds, calls = stack.profile()
+    out = {"requests": requests, "concurrency": concurrency, "prompt": prompt, "output": output,
+           "wall_s": round(wall, 3), "steps": steps, "stack_steps": calls,
+           "output_tok_per_s": round(requests * output / wall, 1),
+           "phases_s": {k: round(v * steps / 1e3, 3) for k, v in ms.items() if k != "total"},
+           "kinds_s": {n: round(sec, 3) for n, sec in sorted(zip(names, seconds), key=lambda kv: -kv[1])}}
+    print(json.dumps(out), flush=True)
+    return out
 
 
 def loop_kinds(engine, batches: list[int], rng) -> list[dict]:
@@ -315,6 +364,8 @@ def main() -> int:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--served", type=concurrencies, default=[1, 32],
                     help="concurrencies to serve at, comma-separated ('' for none)")
+    ap.add_argument("--workload", action="store_true",
+                    help="also the c32 workload of the side-by-side tables offline, its time by phase and kind")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     args.quantization = None if args.quantization == "none" else args.quantization
@@ -335,9 +386,21 @@ def main() -> int:
     kinds = info["kinds"]
     names = [k for k in kinds[0] if k not in ("batch", "source", "forward")]
     print(f"\nThe forward by kind ({kinds[0]['source']}, ms per step; the head is outside the forward):\n")
-    print("| batch | forward | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
+    names = [k for k in names if k != "mixed"]
+    print("| batch | step | forward | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 3))
     for r in kinds:
-        print(f"| {r['batch']} | {r['forward']:.2f} | " + " | ".join(f"{r.get(n, 0):.2f}" for n in names) + " |")
+        print(f"| {r['batch']} | {'mixed' if r.get('mixed') else 'decode'} | {r['forward']:.2f} | "
+              + " | ".join(f"{r.get(n, 0):.2f}" for n in names) + " |")
+    w = info.get("workload")
+    if w:
+        print(f"\nThe c32 workload offline ({w['requests']} x {w['prompt']}/{w['output']} tokens at c{w['concurrency']}): "
+              f"{w['wall_s']:.2f} s, {w['output_tok_per_s']:.0f} tok/s, {w['steps']} steps\n")
+        print("| part | s | share |\n|---|---|---|")
+        parts = {**{f"forward: {k}": v for k, v in w["kinds_s"].items()},
+                 "forward: other": w["phases_s"]["forward"] - sum(w["kinds_s"].values()),
+                 **{k: v for k, v in w["phases_s"].items() if k != "forward"}}
+        for k, v in parts.items():
+            print(f"| {k} | {v:.2f} | {100 * v / w['wall_s']:.0f}% |")
     if serve_rows:
         print("\n| concurrency | served ITL p50 | offline step | the server's ms per token |\n|---|---|---|---|")
         for r in serve_rows:
