@@ -12,15 +12,15 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
            "Roses are red"]
 
 
-def rows_per_step(llm: LLM) -> list[int]:
-    """Records the row count of every forward the engine's backend runs."""
+def rows_per_step(llm: LLM, monkeypatch) -> list[int]:
+    """Records the row count of every forward the engine's backend runs (until the test ends)."""
     backend, seen = llm.engine.runner.backend, []
     forward = backend.forward
 
     def counted(model, input_ids, *args, **kwargs):
         seen.append(int(input_ids.shape[0]))
         return forward(model, input_ids, *args, **kwargs)
-    backend.forward = counted
+    monkeypatch.setattr(backend, "forward", counted)
     return seen
 
 
@@ -30,12 +30,12 @@ def run(llm: LLM):
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_kernel_steps_run_their_own_rows_with_a_padded_steps_bits(tiny_checkpoint, best_kernel_isa):
+def test_kernel_steps_run_their_own_rows_with_a_padded_steps_bits(tiny_checkpoint, best_kernel_isa, monkeypatch):
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=64, max_num_batched_tokens=16,
               cpu_isa=best_kernel_isa)
     backend = llm.engine.runner.backend
     assert backend.model_kernels is not None and backend.padded_rows(5) == 5 and backend.padded_rows(129) == 129
-    seen = rows_per_step(llm)
+    seen = rows_per_step(llm, monkeypatch)
     own = run(llm)
     own_rows = list(seen)
     assert 5 in own_rows  # the five decodes, unpadded
@@ -45,9 +45,9 @@ def test_kernel_steps_run_their_own_rows_with_a_padded_steps_bits(tiny_checkpoin
     assert 5 not in seen and sum(seen) > sum(own_rows)
 
 
-def test_torch_ops_keep_the_padded_sizes(tiny_llm):
+def test_torch_ops_keep_the_padded_sizes(tiny_llm, monkeypatch):
     backend = tiny_llm.engine.runner.backend
     assert backend.model_kernels is None and backend.padded_rows(5) == 8
-    seen = rows_per_step(tiny_llm)
+    seen = rows_per_step(tiny_llm, monkeypatch)
     run(tiny_llm)
     assert seen and all(n == bucket(n) for n in seen) and 8 in seen
