@@ -29,8 +29,8 @@ instead (the same kernels, one call each), each Linear (by role) and each op tim
 loop's own cost inflates the forward, so those rows say where the time goes, not what a
 step takes (decode steps only).
 
-`--workload`: the side-by-side tables' c32 workload run offline (64 requests of ~210 prompt
-and 128 output tokens, 32 at a time, greedy) with the stack's clock on: the whole run's
+`--workload`: the side-by-side tables' c32 workload run offline (64 windows of English text
+of ~210 tokens, sluice.bench.workload's, and 128 output tokens, 32 at a time, greedy) with the stack's clock on: the whole run's
 seconds by phase and by kind of kernel call, prompt steps included.
 """
 from __future__ import annotations
@@ -137,7 +137,7 @@ def offline(args, gbps: float) -> tuple[list[dict], dict]:
                 engine.step()
     info["kinds"] = layer_kinds(engine, args.batches, rng)
     if args.workload:
-        info["workload"] = workload_kinds(engine, rng)
+        info["workload"] = workload_kinds(engine)
     return rows, info
 
 
@@ -232,16 +232,18 @@ def stack_kinds(engine, stack, batches: list[int], rng) -> list[dict]:
     return rows
 
 
-def workload_kinds(engine, rng, requests: int = 64, concurrency: int = 32, prompt: int = 210,
-                   output: int = 128) -> dict | None:
+def workload_kinds(engine, requests: int = 64, concurrency: int = 32, output: int = 128) -> dict | None:
     """A whole closed-loop workload offline, the standard one of the side-by-side tables
-    (64 requests of ~210 prompt and 128 output tokens, 32 at a time): the seconds of each
-    phase over the run and, where the decoder stack runs the layers, of each kind of
-    kernel call; where a c32 run's time goes, prompt steps included."""
+    (64 windows of English text of 189-232 tokens, as `sluice bench serve` sends, and 128
+    output tokens, 32 at a time): the seconds of each phase over the run and, where the
+    decoder stack runs the layers, of each kind of kernel call; where a c32 run's time
+    goes, prompt steps included."""
     from sluice import SamplingParams
+    from sluice.bench.workload import make_prompts
     stack = getattr(engine.runner.model.fast_forward, "stack", None)
     if stack is None or not hasattr(stack, "set_profile"):
         return None
+    prompts = make_prompts(engine.tokenizer, requests, 189, 232)  # as bench serve sizes --input-len 210
     params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     engine.timings.reset()
     stack.reset_profile()
@@ -250,7 +252,7 @@ def workload_kinds(engine, rng, requests: int = 64, concurrency: int = 32, promp
     try:
         while sent < requests or engine.has_unfinished_requests():
             while sent < requests and len(engine.scheduler.running) + len(engine.scheduler.waiting) < concurrency:
-                engine.add_request(f"w{sent}", [rng.randrange(3, 40000) for _ in range(prompt)], params)
+                engine.add_request(f"w{sent}", prompts[sent], params)
                 sent += 1
             engine.step()
             steps += 1
@@ -259,7 +261,8 @@ def workload_kinds(engine, rng, requests: int = 64, concurrency: int = 32, promp
     wall = time.perf_counter() - t0
     ms = engine.timings.breakdown_ms()
     names, seconds, calls = stack.profile()
-    out = {"requests": requests, "concurrency": concurrency, "prompt": prompt, "output": output,
+    out = {"requests": requests, "concurrency": concurrency, "prompt": sum(map(len, prompts)) // requests,
+           "output": output,
            "wall_s": round(wall, 3), "steps": steps, "stack_steps": calls,
            "output_tok_per_s": round(requests * output / wall, 1),
            "phases_s": {k: round(v * steps / 1e3, 3) for k, v in ms.items() if k != "total"},

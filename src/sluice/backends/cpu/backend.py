@@ -30,9 +30,9 @@ from sluice.backends.cpu.linear import KernelWeight, PackedWeight, kernel_weight
 from sluice.backends.cpu.ops import DecodeKernelOps, KernelOps
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA
 from sluice.backends.torch_ref import TORCH_OPS
-from sluice.worker.shapes import bucket
 from sluice.models.linear import Linear
 from sluice.quantization.int8 import quantize_per_channel
+from sluice.worker.shapes import bucket
 
 logger = logging.getLogger("sluice.backends.select")
 
