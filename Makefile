@@ -35,8 +35,10 @@ serve: $(STAMP)
 chat: $(STAMP)
 	.venv/bin/sluice chat
 
+# One pytest-xdist worker per core, two at most (tests/conftest.py gives each one thread):
+# much of the suite is Python that keeps one core busy. A test file stays on one worker.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n auto --maxprocesses 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

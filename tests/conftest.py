@@ -17,7 +17,11 @@ if not torch.cuda.is_available():
 
 from sluice.models.loader import resolve_model
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread per process where pytest-xdist runs workers side by side (`make test` runs one
+# per core): two workers' kernel teams spinning on two cores would wait on each other's
+# time slices. The tests of the kernels' splits over threads set two threads themselves.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(autouse=True, scope="session")
