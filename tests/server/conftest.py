@@ -62,7 +62,7 @@ class RunningServer:
                                                     port=config.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 20
+        deadline = time.time() + 120  # a hang guard: a start takes seconds, more beside another worker
         while not self.server.started:
             if time.time() > deadline:
                 raise RuntimeError("server did not start")

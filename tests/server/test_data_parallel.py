@@ -43,7 +43,7 @@ class AppServer:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 20
+        deadline = time.time() + 120  # a hang guard: a start takes seconds, more beside another worker
         while not self.server.started:
             assert time.time() < deadline, "router did not start"
             time.sleep(0.02)
