@@ -27,13 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_process(*args: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+def serve_process(*args: str, timeout: float = 120, new_session: bool = False) -> tuple[subprocess.Popen, str]:
     """`sluice serve ARGS --port <free>` as a real process (output piped), once its /health
-    answers 200: (process, base URL). The caller stops it."""
+    answers 200: (process, base URL). The caller stops it. new_session: in a process group
+    of its own (its id the process's), which a test may signal as a terminal's Ctrl-C does."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", *args, "--port", str(port)],
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     try:

@@ -1,6 +1,7 @@
 """`sluice serve` as a real process (signals), and `sluice bench serve` against a server."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,14 +14,21 @@ import pytest
 from tests.server.conftest import MODEL, serve_process
 
 
-@pytest.mark.parametrize("mode", [["--no-engine-process"], []], ids=["thread", "engine-process"])
-def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, mode):
+@pytest.mark.parametrize("mode,ctrl_c", [(["--no-engine-process"], False), ([], False), ([], True)],
+                         ids=["thread", "engine-process", "engine-process-ctrl-c"])
+def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, mode, ctrl_c):
     """On SIGTERM open streams get the grace period, then a final error event and [DONE]
     (they used to be cut mid-chunk, with a CancelledError traceback each in the log). One
     sequence at a time and four samples a stream, one token a step: the streams hold
-    5,760 steps of work, which no machine finishes in the 0.3 s grace."""
+    5,760 steps of work, which no machine finishes in the 0.3 s grace. ctrl_c: SIGINT to
+    the whole process group instead, as a terminal sends it: the engine core too, which
+    used to die under the server with a KeyboardInterrupt and leave it blocked for good
+    sending Stop to nobody. Either way nothing of the server is left running."""
+    import psutil
     proc, url = serve_process("--model", str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "128",
-                              "--served-model-name", MODEL, "--shutdown-grace", "0.3", "--max-num-seqs", "1", *mode)
+                              "--served-model-name", MODEL, "--shutdown-grace", "0.3", "--max-num-seqs", "1", *mode,
+                              new_session=ctrl_c)
+    children = psutil.Process(proc.pid).children(recursive=True)
     try:
         body = {"model": MODEL, "prompt": "go", "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 4,
                 "speculative": False}
@@ -28,7 +36,10 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, mode)
             streams = [c.stream("POST", f"{url}/v1/completions", json=body) for _ in range(3)]
             lines = [s.__enter__().iter_lines() for s in streams]  # each in the engine once its headers come
             next(lines[0])
-            proc.send_signal(signal.SIGTERM)
+            if ctrl_c:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
             tails = [[line for line in it if line.startswith("data: ")][-2:] for it in lines]
             for s in streams:
                 s.__exit__(None, None, None)
@@ -39,9 +50,13 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, mode)
             assert json.loads(last[6:]).get("error", {}).get("code") == "shutting_down", last
         log = proc.stdout.read()
         assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+        assert not psutil.wait_procs(children, timeout=30)[1]  # a hang guard: they are gone already
     finally:
         if proc.poll() is None:
             proc.kill()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 def test_bench_serve_reports_json_and_plot(server, tmp_path):

@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -288,6 +289,10 @@ def core_main(engine_kwargs: dict, model_name: str, to_core: str, from_core: str
     """The engine-core process: build the engine, then serve the server's commands until it
     says stop or goes away. `observe` (api_server.observe) makes the per-step metrics hook,
     `snapshot` (dashboard.snapshot) the dashboard's view."""
+    # Ctrl-C at a terminal signals the whole process group: the server drains its streams
+    # and then sends Stop, so the core ignores the signal instead of dying under the server
+    # mid-shutdown (it goes by itself when the server does: the parent check below).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s core %(name)s: %(message)s")
     from sluice.engine.async_engine import AsyncEngine
     from sluice.engine.llm_engine import LLMEngine
@@ -472,8 +477,10 @@ class EngineCoreClient(EngineState):
         if self.process is None:
             return
         if self.process.is_alive():
+            # Without waiting: a PUSH socket whose peer has gone (a core killed or exiting)
+            # would block a send forever; join, terminate and kill below end it anyway.
             with contextlib.suppress(zmq.ZMQError, OSError):  # the core may be going already
-                self._send(Stop())
+                self._send(Stop(), zmq.NOBLOCK)
             self.process.join(timeout)
             if self.process.is_alive():
                 logger.warning("the engine-core process did not stop in %.0f s; terminating it", timeout)
@@ -533,10 +540,10 @@ class EngineCoreClient(EngineState):
         return self._unqueued + self._waiting
 
     # -- commands (from the event loop) ---------------------------------------------
-    def _send(self, msg) -> None:
+    def _send(self, msg, flags: int = 0) -> None:
         data = self._encoder.encode(msg)
         with self._lock:
-            self._to_core.send(data, copy=False)
+            self._to_core.send(data, flags, copy=False)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str | None = None, deadline: float | None = None,
