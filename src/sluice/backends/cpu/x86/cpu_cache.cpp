@@ -16,6 +16,8 @@
 // malloc does (torch's empty() promises nothing else); blocks this size never come
 // zeroed from the OS's mmap (glibc's mmap threshold starts at 128 KB), so no caller can
 // have relied on that.
+#include "aten.h"  // first: its precompiled form (x86/__init__.py) serves only a file's first include
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
