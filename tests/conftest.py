@@ -132,6 +132,12 @@ def hf_tokenizer(request):
     if folder:
         return AutoTokenizer.from_pretrained(folder)
     source = request.getfixturevalue("smollm2_source")
+    # The engine's own cached conversion (~13 s to make, once, then under a second), as
+    # sluice.tokenizer loads it; from the GGUF itself only where that cache cannot be written.
+    from sluice.models.loader import gguf_converted
+    converted = gguf_converted(source)
+    if converted is not None:
+        return AutoTokenizer.from_pretrained(str(converted))
     return AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
 
 
