@@ -157,6 +157,24 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
     assert (staged / "avx2" / "avx512_on_avx2.h").exists() and (staged / "kernels.h").exists()
 
 
+def test_the_precompiled_header_is_made_with_the_flags_every_file_compiles_with(tmp_path):
+    """GCC reads aten.h.gch in place of aten.h only where the flags match; where they differ
+    it parses the header again and a first build loses ~40 s. So the header's flags are
+    the ones torch's build file gives each kernel file, and each file includes aten.h
+    first (a .gch serves only a file's first include)."""
+    import shlex
+    from torch.utils import cpp_extension as ce
+    from sluice.backends.cpu import x86 as kernels
+    flags = [*kernels._COMMON_CFLAGS, *kernels.VARIANTS["avx2"]]
+    ce._write_ninja_file_to_build_library(str(tmp_path / "build.ninja"), "sluice_kernels_x", ["a.cpp"], flags,
+                                          [], [], [], [], with_cuda=False, with_sycl=False, is_standalone=False)
+    line = next(ln for ln in (tmp_path / "build.ninja").read_text().splitlines() if ln.startswith("cflags = "))
+    assert shlex.split(line.removeprefix("cflags = ")) == kernels.pch_cflags("sluice_kernels_x", flags)
+    for source in kernels._sources(kernels._DIR):
+        first = next(ln for ln in (kernels._DIR / source).read_text().splitlines() if ln.startswith("#include"))
+        assert first.split("//")[0].strip() == f'#include "{kernels._PCH}"', source
+
+
 def test_the_venvs_ninja_builds_whether_or_not_the_venv_is_activated(tmp_path, monkeypatch):
     """Another ninja on PATH (a system one) would find the venv's ninja's objects stale
     (their command hashes differ) and rebuild every kernel file: the ninja beside the

@@ -116,16 +116,15 @@ def build(variant: str, source_dir: Path = _DIR):
     with _build_lock(build_dir):
         staged = _stage(source_dir, build_dir / "src")
         started = time.monotonic()
-        first_build = not (build_dir / f"{name}.so").exists()
-        if first_build:
-            _precompile_header(staged, name, cflags)
         # Said only when loading is slow, i.e. when a build really runs.
         notice = threading.Timer(_SLOW_LOAD_S, logger.warning, (
-            "compiling sluice's C++ kernels for %s (first start only, ~35 s on 2 cores) in %s",
+            "compiling sluice's C++ kernels for %s (first start only, ~35-80 s on 2 cores) in %s",
             variant, build_dir))
         notice.daemon = True
         notice.start()
         try:
+            if not (build_dir / f"{name}.so").exists():  # a first build: every file compiles
+                _precompile_header(staged, name, cflags)
             mod = load_extension(
                 name=name,
                 sources=[str(staged / s) for s in _sources(source_dir)],
@@ -149,6 +148,18 @@ def build(variant: str, source_dir: Path = _DIR):
 _PCH = "aten.h"
 
 
+def pch_cflags(name: str, extra_cflags: list[str]) -> list[str]:
+    """The flags cpp_extension compiles each of the module's files with (its
+    _write_ninja_file_to_build_library's `cflags`, which tests/unit/test_platform.py
+    compares with these), which the precompiled header must be made with."""
+    import sysconfig
+
+    from torch.utils import cpp_extension as ce
+    includes = [*ce.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
+    return [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *(f for inc in includes for f in ("-isystem", inc)), "-fPIC", "-std=c++20", *extra_cflags]
+
+
 def _precompile_header(src: Path, name: str, extra_cflags: list[str]) -> None:
     """Compile aten.h once into GCC's precompiled form (aten.h.gch beside it), which GCC
     reads in place of the header in every file that includes it first. Parsing ATen's
@@ -159,22 +170,20 @@ def _precompile_header(src: Path, name: str, extra_cflags: list[str]) -> None:
     correctness. Best effort: without GCC, or if this fails, the build runs as before."""
     import shlex
     import subprocess
-    import sysconfig
 
     from torch.utils import cpp_extension as ce
+    tmp = src / (_PCH + ".gch.tmp")
     try:
         compiler = ce.get_cxx_compiler()
         if not ce.check_compiler_is_gcc(compiler):
             return
-        includes = [*ce.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
         out = src / (_PCH + ".gch")
-        tmp = out.with_suffix(".gch.tmp")
         cmd = [*shlex.split(compiler), "-x", "c++-header", str(src / _PCH), "-o", str(tmp),
-               f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-               *(f for inc in includes for f in ("-isystem", inc)), "-fPIC", "-std=c++20", *extra_cflags]
+               *pch_cflags(name, extra_cflags)]
         subprocess.run(cmd, check=True, capture_output=True)
         os.replace(tmp, out)
     except Exception as e:  # noqa: BLE001 (an optimisation: the build goes on without it)
+        tmp.unlink(missing_ok=True)  # a failed compile may leave a partial file
         logger.info("no precompiled header for the C++ kernels (%s); building without", e)
 
 
