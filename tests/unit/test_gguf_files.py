@@ -37,3 +37,18 @@ def test_gguf_whose_metadata_lies_is_one_clear_error(smollm2_source, tmp_path):
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"missing 9 tensor\(s\), e.g. \['model.layers.30"):
         LLM(model=str(path), num_blocks=16)
+
+
+def test_a_gguf_is_converted_once_wherever_it_lies(smollm2_source, tmp_path):
+    """The converted config and tokenizer are cached by the file's header (its metadata and
+    tensor table), not its path: the same file in another checkout's virtualenv finds the
+    first one's conversion. (A header that differs gets its own: the lying file above
+    would load as the 30 layers of the original's config otherwise.)"""
+    import shutil
+    from sluice.models.loader import gguf_converted, resolve_model
+    first = gguf_converted(smollm2_source)
+    assert first is not None
+    (tmp_path / "other-venv").mkdir()
+    copy = tmp_path / "other-venv" / smollm2_source.path.name
+    shutil.copyfile(smollm2_source.path, copy)
+    assert gguf_converted(resolve_model(str(copy))) == first

@@ -211,25 +211,38 @@ def gguf_config_fixups(config, meta: dict):
 
 
 # Bump when what gguf_converted writes changes.
-_CONVERTED_FORMAT = 3
+_CONVERTED_FORMAT = 4
+
+
+def gguf_header_bytes(path: Path) -> int:
+    """The length of a GGUF's header: its metadata and tensor table, everything before the
+    tensor data (read_gguf's first tensor offset, less the tensor's own)."""
+    meta, tensors, _ = read_gguf(path)
+    if tensors:
+        return min(t.offset for t in tensors)
+    return path.stat().st_size
 
 
 def gguf_converted(src: ModelSource) -> Path | None:
     """A folder with the config.json and tokenizer files transformers makes of a GGUF's
     metadata (chat template included), converted on first use and kept under
-    ~/.cache/sluice/gguf, by the file's path, size and modification time and transformers'
-    version. The conversion parses the whole vocabulary, twice: ~13 s of a 20 s load of
-    SmolLM2, in every process that loads it. None if the cache cannot be written (then the
-    callers convert from the GGUF themselves)."""
+    ~/.cache/sluice/gguf, by the content of the file's header (its metadata and tensor
+    table: all the conversion reads) and transformers' version. The conversion parses the
+    whole vocabulary, twice: ~13 s of a 20 s load of SmolLM2, in every process that loads
+    it. Keyed by content, not by path: every checkout's virtualenv holds its own copy of
+    the default model's file, and test runs write the same small GGUFs to new temporary
+    folders each time; by path each of those was another conversion and another folder
+    kept. None if the cache cannot be written (then the callers convert from the GGUF
+    themselves)."""
     import hashlib
     import os
     import shutil
     import tempfile
 
     import transformers
-    st = src.path.stat()
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|"
-                         f"{_CONVERTED_FORMAT}".encode()).hexdigest()[:16]
+    with open(src.path, "rb") as f:
+        header = f.read(gguf_header_bytes(src.path))
+    key = hashlib.sha256(header + f"|{transformers.__version__}|{_CONVERTED_FORMAT}".encode()).hexdigest()[:16]
     root = Path.home() / ".cache" / "sluice" / "gguf"
     folder = root / f"{src.path.stem}-{key}"
     if (folder / "config.json").is_file():
