@@ -5,8 +5,8 @@ judged by.
         [--cpu-isa auto] [--batches 1,8,32,128] [--served 1,32] [--workload] [--json F]
 
 Offline, one engine (speculation off, so every step is a plain decode): for each batch of
-B requests (64-token prompts), once their prompts are in, the mean over 40 decode steps of
-each phase of LLMEngine.step (its StepTimings): schedule, input preparation, the forward
+B requests (64-token prompts), once their prompts are in, the median over 40 decode steps
+of each phase of LLMEngine.step (its StepTimings, one step at a time) and of the step's wall time: schedule, input preparation, the forward
 pass, logits and sampling (LM head, sampler, the host sync), update and detokenization;
 and one mixed kind of step, B decodes beside a 128-token prompt chunk (bound by arithmetic,
 so given no memory floor). Beside the decode steps the
@@ -40,6 +40,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -113,16 +114,22 @@ def offline(args, gbps: float) -> tuple[list[dict], dict]:
                     or engine.scheduler.waiting:
                 engine.step()
             engine.step()
-            engine.timings.reset()
-            steps, t0 = 40 if not mixed else 8, time.perf_counter()
+            steps = 40 if not mixed else 8
             ctx = sum(r.num_tokens for r in engine.scheduler.running)
+            per_step, walls = [], []
             for s in range(steps):
                 if mixed:  # a 128-token prompt chunk beside the decodes, every step
                     engine.add_request(f"m{b}-{s}", [rng.randrange(3, 40000) for _ in range(128)],
                                        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                engine.timings.reset()
+                t0 = time.perf_counter()
                 engine.step()
-            wall = (time.perf_counter() - t0) / steps * 1e3
-            ms = engine.timings.breakdown_ms()
+                walls.append((time.perf_counter() - t0) * 1e3)
+                per_step.append(engine.timings.breakdown_ms())
+            # Medians over the steps, each phase's own: on a shared VM a few slow steps
+            # (another tenant, a page fault) moved a mean of 40 by a third between runs.
+            wall = statistics.median(walls)
+            ms = {k: statistics.median(d[k] for d in per_step) for k in per_step[0]}
             # A decode step's floor is reading; a step with a prompt chunk is bound by
             # arithmetic (its own floor is the kernels' table in docs/benchmarks.md).
             floor = None if mixed else (wb + kvb * (ctx + b * steps / 2)) / (gbps * 1e9) * 1e3
