@@ -42,9 +42,9 @@ chat: $(STAMP)
 
 # One pytest-xdist worker per core, two at most (tests/conftest.py gives each one thread):
 # much of the suite is Python that keeps one core busy. A test file stays on one worker.
-# compileall first: where PYTHONDONTWRITEBYTECODE is set (it is on the 2-core VMs this suite runs on) nothing
-# of src/ is ever cached, and every process the suite starts (engine cores, ranks,
-# replicas, the CLI's) would compile sluice again (~0.7 s each on a 2-core Zen 3).
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (it is on the 2-core VMs this
+# suite runs on) nothing of src/ is ever cached, and every process the suite starts (engine
+# cores, ranks, replicas, the CLI's) would compile sluice again (~0.7 s each on a Zen 3).
 test: $(STAMP)
 	$(PY) -m compileall -qq -j 0 src || true
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n auto --maxprocesses 2 --dist loadfile

@@ -216,7 +216,7 @@ _CONVERTED_FORMAT = 4
 
 def gguf_header_bytes(path: Path) -> int:
     """The length of a GGUF's header: its metadata and tensor table, everything before the
-    tensor data (read_gguf's first tensor offset, less the tensor's own)."""
+    first tensor's data."""
     meta, tensors, _ = read_gguf(path)
     if tensors:
         return min(t.offset for t in tensors)
