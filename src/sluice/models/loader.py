@@ -214,15 +214,6 @@ def gguf_config_fixups(config, meta: dict):
 _CONVERTED_FORMAT = 4
 
 
-def gguf_header_bytes(path: Path) -> int:
-    """The length of a GGUF's header: its metadata and tensor table, everything before the
-    first tensor's data."""
-    meta, tensors, _ = read_gguf(path)
-    if tensors:
-        return min(t.offset for t in tensors)
-    return path.stat().st_size
-
-
 def gguf_converted(src: ModelSource) -> Path | None:
     """A folder with the config.json and tokenizer files transformers makes of a GGUF's
     metadata (chat template included), converted on first use and kept under
@@ -240,9 +231,10 @@ def gguf_converted(src: ModelSource) -> Path | None:
     import tempfile
 
     import transformers
-    with open(src.path, "rb") as f:
-        header = f.read(gguf_header_bytes(src.path))
-    key = hashlib.sha256(header + f"|{transformers.__version__}|{_CONVERTED_FORMAT}".encode()).hexdigest()[:16]
+    _, tensors, data = read_gguf(src.path)
+    header = data[:min((t.offset for t in tensors), default=len(data))]  # all before the tensor data
+    key = hashlib.sha256(header.tobytes() + f"|{transformers.__version__}|{_CONVERTED_FORMAT}".encode()
+                         ).hexdigest()[:16]
     root = Path.home() / ".cache" / "sluice" / "gguf"
     folder = root / f"{src.path.stem}-{key}"
     if (folder / "config.json").is_file():
