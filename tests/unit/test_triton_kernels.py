@@ -127,8 +127,13 @@ def test_sliding_window_in_both_kernels(window):
     assert (got.double().cpu() - want).abs().max() < 1e-4
 
 
-def test_rope_write_kv_matches_the_torch_ops():
+@pytest.mark.parametrize("tile", [None, 256])
+def test_rope_write_kv_matches_the_torch_ops(tile, monkeypatch):
+    """All 7 tokens in one program (the tile's default), and two tokens a program with the
+    last one's second row past the end (tile 256 over 8 padded heads of 16 values)."""
     from sluice.backends.torch_ref import TORCH_OPS
+    if tile:
+        monkeypatch.setattr(ta, "ROPE_TILE", tile)
     torch.manual_seed(0)
     t, hq, hkv, d, bs = 7, 6, 2, 32, 16
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE)
@@ -145,8 +150,13 @@ def test_rope_write_kv_matches_the_torch_ops():
     assert torch.equal(caches[1][1], caches[0][1])
 
 
-def test_norms_and_swiglu_match_the_torch_ops():
+@pytest.mark.parametrize("tile", [None, 256])
+def test_norms_and_swiglu_match_the_torch_ops(tile, monkeypatch):
+    """All 5 rows in one program (the tile's default), and two rows a program with the last
+    one's second row past the end (tile 256 over rows padded to 128)."""
     from sluice.backends.torch_ref import TORCH_OPS
+    if tile:
+        monkeypatch.setattr(tops, "TILE_ELEMENTS", tile)
     torch.manual_seed(1)
     x, res = torch.randn(5, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
     w = torch.randn(96, device=DEVICE)

@@ -37,6 +37,10 @@ from sluice.backends.cuda.fp8 import e4m3_round
 from sluice.backends.cuda.gemv import ieee_products
 
 
+# Values a RoPE program holds at once (rows of (token, head) times half a head).
+ROPE_TILE = 2048
+
+
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -278,36 +282,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _rope_write_kernel(QKV, Cos, Sin, Qout, K, V, KS, VS, slots, stride_t, stride_ct, stride_qt, stride_qh,
+def _rope_write_kernel(QKV, Cos, Sin, Qout, K, V, KS, VS, slots, n_tok, stride_t, stride_ct, stride_qt, stride_qh,
                        stride_kh, stride_kb, stride_ks,
                        HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       H_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
-    """One program per token: RoPE (rotate-half) on its query and key heads, q to Qout, k
-    and v into the cache at the token's slot. Products in float32, one rounding each, as
-    torch's x * cos + rotate_half(x) * sin (in the model's dtype) would not promise: the
-    reference comparison is to rounding. FP8: k (rounded to the model's dtype first, as
-    the torch path holds it) and v quantized per head with their scales (kv_fp8.py)."""
-    t = tl.program_id(0)
-    h = tl.arange(0, H_PAD)
+                       H_PAD: tl.constexpr, TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """TOKENS tokens a program, a row per (token, head): RoPE (rotate-half) on the query and
+    key heads, q to Qout, k and v into the cache at the token's slot. Products in float32,
+    one rounding each, as torch's x * cos + rotate_half(x) * sin (in the model's dtype)
+    would not promise: the reference comparison is to rounding. FP8: k (rounded to the
+    model's dtype first, as the torch path holds it) and v quantized per head with their
+    scales (kv_fp8.py)."""
+    r = tl.arange(0, TOKENS * H_PAD)
+    t = tl.program_id(0) * TOKENS + r // H_PAD
+    h = r % H_PAD
+    t_ok = (t < n_tok)[:, None]
     i = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + t * stride_ct + i).to(tl.float32)
-    cos2 = tl.load(Cos + t * stride_ct + HALF + i).to(tl.float32)
-    sin1 = tl.load(Sin + t * stride_ct + i).to(tl.float32)
-    sin2 = tl.load(Sin + t * stride_ct + HALF + i).to(tl.float32)
-    base = QKV + t * stride_t
-    qm = (h < HQ)[:, None]
+    cs = Cos + t[:, None] * stride_ct + i[None, :]
+    sn = Sin + t[:, None] * stride_ct + i[None, :]
+    cos1 = tl.load(cs, mask=t_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cs + HALF, mask=t_ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sn, mask=t_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sn + HALF, mask=t_ok, other=0.0).to(tl.float32)
+    base = QKV + t[:, None] * stride_t
+    qm = (h < HQ)[:, None] & t_ok
     x1 = tl.load(base + h[:, None] * HEAD_DIM + i[None, :], mask=qm, other=0.0).to(tl.float32)
     x2 = tl.load(base + h[:, None] * HEAD_DIM + HALF + i[None, :], mask=qm, other=0.0).to(tl.float32)
-    qo = Qout + t * stride_qt + h[:, None] * stride_qh
-    tl.store(qo + i[None, :], (x1 * cos1[None, :] - x2 * sin1[None, :]).to(Qout.dtype.element_ty), mask=qm)
-    tl.store(qo + HALF + i[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(Qout.dtype.element_ty), mask=qm)
-    slot = tl.load(slots + t).to(tl.int64)
-    kvm = (h < HKV)[:, None]
+    qo = Qout + t[:, None] * stride_qt + h[:, None] * stride_qh
+    tl.store(qo + i[None, :], (x1 * cos1 - x2 * sin1).to(Qout.dtype.element_ty), mask=qm)
+    tl.store(qo + HALF + i[None, :], (x2 * cos2 + x1 * sin2).to(Qout.dtype.element_ty), mask=qm)
+    slot = tl.load(slots + t, mask=t < n_tok, other=0).to(tl.int64)[:, None]
+    kvm = (h < HKV)[:, None] & t_ok
     kb = base + HQ * HEAD_DIM + h[:, None] * HEAD_DIM
     k1 = tl.load(kb + i[None, :], mask=kvm, other=0.0).to(tl.float32)
     k2 = tl.load(kb + HALF + i[None, :], mask=kvm, other=0.0).to(tl.float32)
-    r1 = k1 * cos1[None, :] - k2 * sin1[None, :]
-    r2 = k2 * cos2[None, :] + k1 * sin2[None, :]
+    r1 = k1 * cos1 - k2 * sin1
+    r2 = k2 * cos2 + k1 * sin2
     vb = base + (HQ + HKV) * HEAD_DIM + h[:, None] * HEAD_DIM
     v1 = tl.load(vb + i[None, :], mask=kvm, other=0.0)
     v2 = tl.load(vb + HALF + i[None, :], mask=kvm, other=0.0)
@@ -352,8 +361,12 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     cos2, sin2 = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
     qkv = qkv.contiguous()
     c = _cache_args(k_cache, v_cache, head_dim)
-    _rope_write_kernel[(t,)](qkv, cos2, sin2, q, c.k, c.v, c.ks, c.vs, slot_mapping, qkv.stride(0), cos2.stride(0),
-                             q.stride(0), q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks,
-                             HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
-                             H_PAD=_pow2(max(num_heads, num_kv_heads)), BLOCK_SIZE=k_cache.shape[2], FP8=c.fp8)
+    h_pad = _pow2(max(num_heads, num_kv_heads))
+    # Tokens a program: a tile of up to ROPE_TILE values (one token of a 32-head model of
+    # head_dim 128; 64 of a small test model's), as the norms in ops.py take rows.
+    tokens = max(1, min(_pow2(t), ROPE_TILE // (h_pad * (head_dim // 2))))
+    _rope_write_kernel[(triton.cdiv(t, tokens),)](
+        qkv, cos2, sin2, q, c.k, c.v, c.ks, c.vs, slot_mapping, t, qkv.stride(0), cos2.stride(0), q.stride(0),
+        q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks, HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
+        HALF=head_dim // 2, H_PAD=h_pad, TOKENS=tokens, BLOCK_SIZE=k_cache.shape[2], FP8=c.fp8)
     return q
