@@ -186,3 +186,26 @@ def test_gguf_scheme_runs_a_q6k_layer_in_its_own_kernel(isa_kernels):
     x = torch.randn(3, 512).to(torch.bfloat16)
     y = method(x)
     assert y.shape == (3, 40) and torch.equal(y[1:2], method(x[1:2]))
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES + ("Q6_K",))
+def test_the_loaders_dequantization_gives_the_gguf_packages_bits(name):
+    """models/loader.dequantized (our decoders, whole tensors at once) against gguf's own
+    dequantize, bit for bit: negative scales (a zero value keeps their sign there) and a
+    Q8_0 -128 (which the block form cannot hold, but d * q can) included."""
+    from sluice.models.loader import dequantized
+    rows, k = 6, 512
+    raw = random_blocks(name, rows, k, seed=3)
+    qtype = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, size)
+    for at in F16_FIELDS[name]:  # every other block's scales negative
+        scale = blocks[::2, at:at + 2].copy().view(np.float16)
+        blocks[::2, at:at + 2] = (-scale).view(np.uint8)
+    if name == "Q8_0":
+        blocks[0, 2] = 0x80
+    shaped = raw.reshape(quant_shape_to_byte_shape((rows, k), qtype))
+    want = dequantize(shaped, qtype).reshape(rows, k).astype(np.float32)
+    got = dequantized(shaped, qtype, (rows, k))
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert (want == 0).any() or name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # zeros were there to check
