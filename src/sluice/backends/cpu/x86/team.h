@@ -8,7 +8,7 @@
 // does. Team::run forks once: the calling thread (the master) runs the chain, and each
 // parallel_for it makes hands the other threads their share through one shared word
 // they spin on, and waits for them on another (llama.cpp's threads likewise spin between
-// the ops of a graph).
+// the ops of a graph); a wait that outlasts a short spin yields the core (wait_until).
 //
 // The split is at::parallel_for's own (OpenMP backend: min(threads, ceil(range / grain))
 // threads, contiguous chunks of ceil(range / threads)), so a kernel runs the same units on
@@ -20,6 +20,7 @@
 
 #include <omp.h>
 #include <immintrin.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,6 +29,25 @@
 #include <mutex>
 
 namespace sluice {
+
+// Waits until done(): spins (a wait inside a chain is normally a few microseconds, one
+// call's imbalance), then yields the core at each further check. Where more threads are
+// runnable than there are cores (the server's event loop beside the engine, a load tester
+// or another process on the same cores), a waiter that only spun would keep the core for
+// its whole time slice while the thread it waits for sat descheduled. kSpins pauses are
+// ~0.1-0.25 ms (a pause is ~65 cycles on Zen, ~140 on recent Intel cores).
+constexpr int kSpins = 4096;
+
+template <typename Done>
+inline void wait_until(const Done& done) {
+  for (int i = 0; !done(); ++i) {
+    if (i < kSpins) {
+      _mm_pause();
+    } else {
+      sched_yield();
+    }
+  }
+}
 
 class Team;
 // The team whose master is this thread, while it runs a chain (Team::run).
@@ -98,7 +118,7 @@ class Team {
         mine = std::current_exception();
       }
     }
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    wait_until([this] { return pending_.load(std::memory_order_acquire) == 0; });
     if (mine) std::rethrow_exception(mine);
     if (error_) {
       std::exception_ptr e = error_;
@@ -119,8 +139,8 @@ class Team {
     Share share;
     uint64_t seen = 0;
     for (;;) {
-      uint64_t s;
-      while ((s = seq_.load(std::memory_order_acquire)) == seen) _mm_pause();
+      uint64_t s = seen;
+      wait_until([&] { return (s = seq_.load(std::memory_order_acquire)) != seen; });
       seen = s;
       if (stop_) return;
       const int64_t b = begin_ + tid * chunk_;
