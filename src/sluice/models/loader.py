@@ -589,7 +589,8 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool | frozenset[str] = F
         w = dequantized(raw, qtype, shape)
         if permute and heads is not None:
             w = unpermute_qk(w, heads)
-        values = torch.from_numpy(np.array(w, dtype=np.float32))
+        # A copy only where it is not already a fresh float32 array (dequantized's are).
+        values = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
         tensor = values.to(dtype)
         if blocks is True:
             requantized[qtype.name] += 1

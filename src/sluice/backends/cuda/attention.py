@@ -35,6 +35,7 @@ import triton.language as tl
 
 from sluice.backends.cuda.fp8 import e4m3_round
 from sluice.backends.cuda.gemv import ieee_products
+from sluice.backends.cuda.ops import rows_per_program
 
 
 # Values a RoPE program holds at once (rows of (token, head) times half a head).
@@ -364,7 +365,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     h_pad = _pow2(max(num_heads, num_kv_heads))
     # Tokens a program: a tile of up to ROPE_TILE values (one token of a 32-head model of
     # head_dim 128; 64 of a small test model's), as the norms in ops.py take rows.
-    tokens = max(1, min(_pow2(t), ROPE_TILE // (h_pad * (head_dim // 2))))
+    tokens = rows_per_program(t, h_pad * (head_dim // 2), ROPE_TILE)
     _rope_write_kernel[(triton.cdiv(t, tokens),)](
         qkv, cos2, sin2, q, c.k, c.v, c.ks, c.vs, slot_mapping, t, qkv.stride(0), cos2.stride(0), q.stride(0),
         q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks, HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,

@@ -17,10 +17,11 @@ import triton.language as tl
 TILE_ELEMENTS = 4096
 
 
-def rows_per_program(rows: int, width: int) -> int:
+def rows_per_program(rows: int, width: int, tile: int | None = None) -> int:
     """Rows a program takes: a power of two, whole rows of `width` (a power of two) up to
-    TILE_ELEMENTS values, never more than the rows there are (rounded up)."""
-    return max(1, min(triton.next_power_of_2(rows), TILE_ELEMENTS // width))
+    `tile` values (TILE_ELEMENTS by default), never more than the rows there are (rounded
+    up)."""
+    return max(1, min(triton.next_power_of_2(rows), (tile or TILE_ELEMENTS) // width))
 
 
 @triton.jit
