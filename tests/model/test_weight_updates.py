@@ -57,8 +57,15 @@ MODES = [
                  ["model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight",
                   "model.layers.0.input_layernorm.weight"], id="w8a8-partial", marks=pytest.mark.requires("kernels")),
     pytest.param("llama-4layers", dict(dtype="bfloat16", quantization="w4a8"),
-                 ["model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"],
+                 ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+                  "model.layers.2.mlp.down_proj.weight", "model.layers.3.mlp.up_proj.weight"],
                  id="w4a8-partial", marks=pytest.mark.requires("kernels")),
+    # Layers that released their weight once packed take new rows through write_rows: two
+    # parts of one fused layer in one update, and the last layer (w4a8: an end layer).
+    pytest.param("llama-4layers", dict(dtype="bfloat16"),
+                 ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+                  "model.layers.3.mlp.gate_proj.weight"],
+                 id="bf16-kernels-partial", marks=pytest.mark.requires("kernels")),
 ]
 
 
@@ -76,6 +83,29 @@ def test_updated_engine_computes_what_a_fresh_load_of_the_new_weights_does(tiny_
     assert after == outputs(fresh)  # tokens and logprobs, bit for bit
     assert after != before
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.requires("kernels")
+@pytest.mark.parametrize("opts", [dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="w4a8")],
+                         ids=["bf16", "w4a8"])
+def test_layers_on_the_kernels_keep_only_what_they_multiply_by(tiny_checkpoint, opts):
+    """Once packed, a linear layer on the kernels keeps no bf16 weight beside its packed
+    form (2 bytes a parameter, an 8B model's 16 GB); the LM head keeps its own, which the
+    greedy head's int8 copy and the logits' fallback are made from."""
+    llm = LLM(model=str(tiny_checkpoint("llama-4layers")), num_blocks=64, **opts)
+    linears = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    assert all(m.weight.device.type == "meta" for n, m in linears.items() if n != "lm_head")
+    assert linears["lm_head"].weight.device.type == "cpu"
+
+
+@pytest.mark.requires("kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_packed_weight_unpacks_to_itself(dtype):
+    """What a released layer's new rows are written into: its packed copy, unpacked."""
+    from sluice.backends.cpu import x86 as kernels
+    from sluice.backends.cpu.linear import unpack_weight
+    w = torch.randn(37, 131).to(dtype)
+    assert torch.equal(unpack_weight(kernels.load().bi_pack_weight(w), 37, 131), w)
 
 
 def test_int8_weights_read_back_exactly():

@@ -3,7 +3,9 @@ a weight update writes), and what each backend multiplies by for it.
 
 A scheme keeps the layer's weight as its dequantized values (what the layer computes with,
 and what a fresh load of new weights would give) and its own packed form beside it
-(`module.int8_scale`, `module.w4`). Backends ask it for a layer's method; a family whose
+(`module.int8_scale`), or keeps only its own form and releases the weight once packed
+(`keeps_weights = False`: w4a8's `module.w4`, gguf's blocks, FP8), new rows then coming
+through `module.write_rows`. Backends ask it for a layer's method; a family whose
 kernels cannot run it is refused by backends/select.py before anything loads, naming what
 does run there (`families`, `needs_kernels`).
 """
@@ -22,6 +24,14 @@ def end_layers(model) -> tuple[str, ...]:
     speed)."""
     last = len(model.model.layers) - 1
     return ("lm_head", "model.layers.0.", f"model.layers.{last}.")
+
+
+def weight_read_directly(name: str) -> bool:
+    """Linear layers whose weight is read as a tensor, not only through their method, so a
+    backend keeps it: the LM head's (the greedy head's int8 copy and the logits' fallback
+    are made from it, models/llama.py head_weight) and a MoE router's gate (models/moe.py
+    multiplies it itself)."""
+    return name.startswith("lm_head") or name.endswith(".gate")
 
 
 class QuantizationScheme:

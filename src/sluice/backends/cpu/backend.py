@@ -26,11 +26,13 @@ import torch
 from sluice import quantization as quant
 from sluice.backends.base import AttentionMetadata, Backend, FlatBatch, PrefillChunk
 from sluice.backends.cpu.huge_pages import huge_zeros, to_huge_pages
-from sluice.backends.cpu.linear import KernelWeight, PackedWeight, kernel_weight, prepack_weight
+from sluice.backends.cpu.linear import (KernelWeight, PackedWeight, kernel_weight, prepack_weight,
+                                       release_packed_weight)
 from sluice.backends.cpu.ops import DecodeKernelOps, KernelOps
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA
 from sluice.backends.torch_ref import TORCH_OPS
 from sluice.models.linear import Linear
+from sluice.quantization.base import weight_read_directly
 from sluice.quantization.int8 import quantize_per_channel
 from sluice.worker.shapes import bucket
 
@@ -430,8 +432,12 @@ class CpuBackend(Backend):
         """A Linear's method under the plan, from its weight (dequantized when quantized)."""
         k = self.model_kernels
         if k is not None:
-            method = (kernel_weight(k, module.weight, None, self.deterministic) if scheme is None
-                      else scheme.kernel_method(k, model, name, module, self.dtype, self.deterministic))
+            if scheme is None:
+                method = kernel_weight(k, module.weight, None, self.deterministic)
+                if not weight_read_directly(name):
+                    release_packed_weight(module)
+            else:
+                method = scheme.kernel_method(k, model, name, module, self.dtype, self.deterministic)
             # Row-parallel: each rank's partial sums stay float32 through the all-reduce and are
             # rounded once (Linear.forward), as one process rounds its whole sum (the tiny
             # model's logprobs: one process's to the bit, none of them when each rank rounded

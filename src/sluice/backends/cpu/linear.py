@@ -136,3 +136,31 @@ class Int8Weight:
 @torch.no_grad()
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """bi_pack_weight's layout back to the [n, k] weight: bf16 [N/16, K/2, 16, 2] (a pair of
+    k per 16-column lane), float32 [N/16, K, 16]; the padding dropped."""
+    if packed.dim() == 4:
+        nb, ks, lanes, per = packed.shape
+        return packed.permute(0, 2, 1, 3).reshape(nb * lanes, ks * per)[:n, :k]
+    nb, ks, lanes = packed.shape
+    return packed.permute(0, 2, 1).reshape(nb * lanes, ks)[:n, :k]
+
+
+@torch.no_grad()
+def release_packed_weight(module) -> None:
+    """A layer whose method multiplies by its packed copy (KernelWeight.packed) drops the
+    weight itself: the same values a second time, 2 bytes a parameter (an 8B model's 16
+    GB). New rows (a weight update) restore the weight from the packed copy first and are
+    written into it; the backend then packs it and releases it again."""
+    shape, dtype = module.weight.shape, module.weight.dtype
+    module.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+    def write_rows(start: int, values: torch.Tensor) -> None:
+        if module.weight.device.type == "meta":  # the first rows of this update
+            full = unpack_weight(module.method.packed, *shape).contiguous()
+            module.weight = torch.nn.Parameter(full, requires_grad=False)
+        module.weight.data[start:start + values.shape[0]] = values
+
+    module.write_rows = write_rows
