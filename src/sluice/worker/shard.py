@@ -5,6 +5,7 @@ builds one (rank 0), and so does every other tensor-parallel rank's process
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,21 @@ class Shard:
         they touch, as a fresh load of them would be (the backend's update)."""
         written = self.model.load_weights(named, strict=False)
         self.backend.update(self.model, self.config.model.quantization, written, with_head=self.rank == 0)
+        return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim). A load frees far
+    more than the model keeps (each matrix's float32 dequantization, the bf16 weights a
+    quantization scheme releases once packed, the float32 copy the greedy head's int8 one
+    is made from), and glibc keeps freed heap pages mapped, counted in the process's RSS,
+    unless asked: the default engine on SmolLM2 held 3.1 GB after its load, 1.9 GB after
+    the trim (1 GB of it the KV cache). Elsewhere (not glibc) nothing is done."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def build_shard(config: EngineConfig, group=None) -> Shard:
@@ -80,4 +96,5 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
             module.source_blocks = None
     runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
                          max_model_len=max_model_len)
+    return_freed_memory()
     return Shard(config, backend, src, hf_config, model, runner, max_model_len, rank)
