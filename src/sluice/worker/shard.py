@@ -94,6 +94,7 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     for module in model.modules():  # blocks no scheme took (w4a8 takes only its linear layers')
         if getattr(module, "source_blocks", None) is not None:
             module.source_blocks = None
+    return_freed_memory()  # before the KV cache, so the load's freed pages and the cache never add up
     runner = ModelRunner(model, backend, config.cache, mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
                          max_model_len=max_model_len)
     return_freed_memory()
