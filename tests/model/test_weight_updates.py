@@ -50,6 +50,8 @@ MODES = [
                  marks=pytest.mark.requires("kernels")),
     pytest.param("qwen2", dict(dtype="bfloat16", quantization="w8a8"), ["model.embed_tokens.weight"],
                  id="w8a8-tied-head-embedding-only", marks=pytest.mark.requires("kernels")),
+    pytest.param("qwen2", dict(dtype="bfloat16"), ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"],
+                 id="bf16-tied-head-embedding", marks=pytest.mark.requires("kernels")),
     pytest.param("llama-4layers", dict(dtype="bfloat16", quantization="int8", cpu_isa="generic"),
                  ["model.layers.1.self_attn.k_proj.weight", "model.layers.2.mlp.up_proj.weight", "lm_head.weight"],
                  id="int8-torch-partial"),
@@ -86,16 +88,28 @@ def test_updated_engine_computes_what_a_fresh_load_of_the_new_weights_does(tiny_
 
 
 @pytest.mark.requires("kernels")
+@pytest.mark.parametrize("kind", ["llama-4layers", "qwen2"])
 @pytest.mark.parametrize("opts", [dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="w4a8")],
                          ids=["bf16", "w4a8"])
-def test_layers_on_the_kernels_keep_only_what_they_multiply_by(tiny_checkpoint, opts):
+def test_layers_on_the_kernels_keep_only_what_they_multiply_by(tiny_checkpoint, kind, opts):
     """Once packed, a linear layer on the kernels keeps no bf16 weight beside its packed
-    form (2 bytes a parameter, an 8B model's 16 GB); the LM head keeps its own, which the
-    greedy head's int8 copy and the logits' fallback are made from."""
-    llm = LLM(model=str(tiny_checkpoint("llama-4layers")), num_blocks=64, **opts)
-    linears = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    form (2 bytes a parameter, an 8B model's 16 GB); an untied LM head keeps its own, which
+    the greedy head's int8 copy and the logits' fallback are made from; a tied head's
+    embedding table reads its rows from the head's packed copy (qwen2: tied)."""
+    llm = LLM(model=str(tiny_checkpoint(kind)), num_blocks=64, **opts)
+    model = llm.engine.runner.model
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     assert all(m.weight.device.type == "meta" for n, m in linears.items() if n != "lm_head")
-    assert linears["lm_head"].weight.device.type == "cpu"
+    tied = model.lm_head is None
+    assert tied == (kind == "qwen2")
+    assert model.model.embed_tokens.weight.device.type == ("meta" if tied else "cpu")
+    if not tied:
+        assert linears["lm_head"].weight.device.type == "cpu"
+    ids = torch.tensor([[0, 1, 17], [model.arch.vocab_size - 1, 5, 16]])
+    table = {}
+    for f in sorted(tiny_checkpoint(kind).glob("*.safetensors")):
+        table.update(load_file(f))
+    assert torch.equal(model.model.embed_tokens(ids), table["model.embed_tokens.weight"].to(torch.bfloat16)[ids])
 
 
 @pytest.mark.requires("kernels")

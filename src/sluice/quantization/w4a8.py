@@ -6,8 +6,8 @@ weights' values in bf16.
 
 A layer keeps its 4-bit form (`module.w4`, FourBit: what the kernels pack, and what an
 update's new rows are fitted into) and releases its bf16 weight once packed: the weight
-would be 2 bytes a parameter, never read again (SmolLM2 on AVX2: 715 -> 450 MB in all;
-an 8B model's ~16 GB). New rows come through `module.write_rows`, as FP8's do."""
+would be 2 bytes a parameter, never read again (SmolLM2's layers: 212 MB; an 8B model's
+~16 GB). New rows come through `module.write_rows`, as FP8's do."""
 from __future__ import annotations
 
 from typing import NamedTuple

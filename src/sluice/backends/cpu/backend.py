@@ -26,8 +26,8 @@ import torch
 from sluice import quantization as quant
 from sluice.backends.base import AttentionMetadata, Backend, FlatBatch, PrefillChunk
 from sluice.backends.cpu.huge_pages import huge_zeros, to_huge_pages
-from sluice.backends.cpu.linear import (KernelWeight, PackedWeight, kernel_weight, prepack_weight,
-                                       release_packed_weight)
+from sluice.backends.cpu.linear import (KernelWeight, PackedRows, PackedWeight, kernel_weight, prepack_weight,
+                                       release_packed_weight, restore_packed_weight)
 from sluice.backends.cpu.ops import DecodeKernelOps, KernelOps
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA
 from sluice.backends.torch_ref import TORCH_OPS
@@ -453,6 +453,11 @@ class CpuBackend(Backend):
         made rather than copy every weight again)."""
         int8_head = None
         k = self.model_kernels
+        emb = model.model.embed_tokens
+        if isinstance(emb.method, PackedRows):  # an update: the table again (unless its new rows did that)
+            if emb.weight.device.type == "meta":
+                restore_packed_weight(emb, emb.method.method.packed)
+            emb.method = None
         packed_head = (NotImplemented if scheme is None or k is None
                        else scheme.embedding_and_head(k, model, self.dtype, self.deterministic))
         if packed_head is NotImplemented and scheme is not None and model.lm_head is None and with_head:
@@ -498,6 +503,13 @@ class CpuBackend(Backend):
             to_huge_pages(_weight_holders(model))
         if self.stack and model.stackable:
             model.fast_forward = StackForward(build_stack(model, k))
+        head = getattr(model, "head", None)
+        if (with_head and model.lm_head is None and packed_head is NotImplemented and isinstance(head, KernelWeight)
+                and head.packed is not None and head.packed.dim() == 4 and emb.weight.dtype == torch.bfloat16):
+            # Tied: the embedding reads its rows from the head's packed copy of the same table
+            # (the greedy head's int8 copy is made above; an update restores the table first).
+            emb.method = PackedRows(head, emb.weight.shape[1])
+            release_packed_weight(emb, lambda: head.packed)
         if self.deterministic and model.rope_table is None:
             # One cos/sin table for every position, built once: computing them per batch runs
             # cos/sin over a tensor whose length depends on the batch, and vectorised and
