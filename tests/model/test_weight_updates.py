@@ -115,11 +115,20 @@ def test_layers_on_the_kernels_keep_only_what_they_multiply_by(tiny_checkpoint, 
 @pytest.mark.requires("kernels")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_packed_weight_unpacks_to_itself(dtype):
-    """What a released layer's new rows are written into: its packed copy, unpacked."""
+    """What a released layer's new rows are written into: its packed copy, unpacked; and a
+    tied embedding's rows, read from the head's packed copy (bf16)."""
     from sluice.backends.cpu import x86 as kernels
     from sluice.backends.cpu.linear import unpack_weight
+    k = kernels.load()
     w = torch.randn(37, 131).to(dtype)
-    assert torch.equal(unpack_weight(kernels.load().bi_pack_weight(w), 37, 131), w)
+    packed = k.bi_pack_weight(w)
+    assert torch.equal(unpack_weight(packed, 37, 131), w)
+    if dtype == torch.bfloat16:
+        ids = torch.tensor([36, 0, 17, 16, 15, 36])
+        assert torch.equal(k.bi_packed_rows(ids, packed, 37, 131), w[ids])
+        for bad in (37, 47, -1):  # past the table (37, 47: in the packing's padding)
+            with pytest.raises(RuntimeError, match="row out of range"):
+                k.bi_packed_rows(torch.tensor([bad]), packed, 37, 131)
 
 
 def test_int8_weights_read_back_exactly():

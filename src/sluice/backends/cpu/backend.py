@@ -508,7 +508,7 @@ class CpuBackend(Backend):
                 and head.packed is not None and head.packed.dim() == 4 and emb.weight.dtype == torch.bfloat16):
             # Tied: the embedding reads its rows from the head's packed copy of the same table
             # (the greedy head's int8 copy is made above; an update restores the table first).
-            emb.method = PackedRows(head, emb.weight.shape[1])
+            emb.method = PackedRows(head, *emb.weight.shape)
             release_packed_weight(emb, lambda: head.packed)
         if self.deterministic and model.rope_table is None:
             # One cos/sin table for every position, built once: computing them per batch runs

@@ -179,11 +179,9 @@ class PackedRows:
     bi_pack_weight's [V/16, K/2, 16, 2]): the same values, so the table is not kept twice
     (SmolLM2's 57 MB, Gemma 3's 335 MB)."""
 
-    def __init__(self, method, k: int):
-        self.method, self.k = method, k
+    def __init__(self, method, n: int, k: int):
+        self.method, self.n, self.k = method, n, k
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        p = self.method.packed
-        flat = ids.reshape(-1)
-        rows = p.permute(0, 2, 1, 3)[flat // p.shape[2], flat % p.shape[2]]  # [T, K/2, 2]
-        return rows.reshape(flat.shape[0], -1)[:, :self.k].reshape(*ids.shape, self.k)
+        rows = self.method.kernels.bi_packed_rows(ids.reshape(-1).long(), self.method.packed, self.n, self.k)
+        return rows.view(*ids.shape, self.k)

@@ -74,6 +74,32 @@ at::Tensor pack_weight(at::Tensor w) {
   return pack<float, 1>(w).squeeze(-1);
 }
 
+// Rows `ids` ([T] int64) of an [N, K] bf16 weight packed by pack_weight, as [T, K] bf16: the
+// embedding read from a tied LM head's packed copy (backends/cpu/linear.py PackedRows),
+// a pair of k (4 bytes) at a time. The same values as the table: the table is not kept.
+at::Tensor packed_rows(at::Tensor ids, at::Tensor packed, int64_t N, int64_t K) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [T] int64");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kLanes &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must be a bf16 weight from bi_pack_weight");
+  const int64_t NB = packed.size(0), KS = packed.size(1), T = ids.size(0);
+  TORCH_CHECK(K > 0 && (K + 1) / 2 == KS && N > 0 && (N + kLanes - 1) / kLanes == NB,
+              "N, K do not match the packed weight");
+  ids = ids.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row out of range");
+  auto out = at::empty({T, 2 * KS}, packed.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
+  sluice::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint32_t* row = src + (ip[t] / kLanes) * KS * kLanes + ip[t] % kLanes;
+      for (int64_t ks = 0; ks < KS; ++ks) dst[t * KS + ks] = row[ks * kLanes];
+    }
+  });
+  return K == 2 * KS ? out : out.narrow(1, 0, K).contiguous();
+}
+
 // int8 weights (weight-only quantization), in the bf16 pair layout.
 at::Tensor pack_weight_int8(at::Tensor q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8 weight must be [N, K] int8");

@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // batch_invariant.cpp
   m.attr("has_batch_invariant") = true;
   m.def("bi_pack_weight", &sluice::pack_weight, "pack [N, K] weights for bi_linear");
+  m.def("bi_packed_rows", &sluice::packed_rows, "rows of a bf16 weight packed by bi_pack_weight");
   m.def("bi_linear", &sluice::linear, "batch-invariant x @ W^T (+ b)", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none(), py::arg("out_float32") = false);
   m.def("bi_pack_weight_int8", &sluice::pack_weight_int8, "pack [N, K] int8 weights for bi_linear_int8");

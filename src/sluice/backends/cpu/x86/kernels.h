@@ -44,6 +44,7 @@ void trim_cpu_cache();
 void lora_sgmv(at::Tensor y, at::Tensor x, at::Tensor at_, at::Tensor bt, at::Tensor ranks, at::Tensor row_slot);
 // batch_invariant.cpp and w8a8.cpp: weights packed once at load for their linear kernels.
 at::Tensor pack_weight(at::Tensor w);
+at::Tensor packed_rows(at::Tensor ids, at::Tensor packed, int64_t N, int64_t K);
 at::Tensor pack_weight_int8(at::Tensor q);
 at::Tensor w8a8_pack_weight(at::Tensor q);
 at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
