@@ -34,7 +34,7 @@ from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.request_checks import RequestChecks
 from sluice.distributed.parallel import check_tp_size, split
 from sluice.distributed.tensor_parallel import TensorParallel
-from sluice.models.loader import gguf_tensor_bytes, iter_weights, load_hf_config, resolve_model
+from sluice.models.loader import forget_gguf_files, gguf_tensor_bytes, iter_weights, load_hf_config, resolve_model
 from sluice.models.registry import model_arch
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
@@ -189,6 +189,7 @@ class LLMEngine:
                     time.perf_counter() - t0, self.weight_bytes / 1e6,
                     f" (the file's tensors: {file_bytes / 1e6:.0f} MB)" if file_bytes else "",
                     "; asynchronous scheduling" if self.overlap else "")
+        forget_gguf_files()
 
     def _offload_store(self) -> OffloadStore | None:
         """KV offloading's host (and disk) tiers, sized from the cache settings; None: off."""

@@ -450,6 +450,14 @@ def read_gguf(path: Path) -> tuple[dict, list[GGUFTensor], np.memmap]:
     return _read_gguf(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def forget_gguf_files() -> None:
+    """Drop read_gguf's cache, and with it the files' memory maps: once a model is loaded
+    nothing reads them, and the pages a load touched stayed in the process's resident
+    memory (the default model's 93 MB; a file's whole size for a big one). A later read
+    maps the file again."""
+    _read_gguf.cache_clear()
+
+
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str, *identity) -> tuple[dict, list[GGUFTensor], np.memmap]:
     import struct
