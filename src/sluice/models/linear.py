@@ -43,6 +43,15 @@ def weights_unallocated():
 
 
 @torch.no_grad()
+def release_weight(layer: nn.Module) -> None:
+    """Drop a layer's weight once another form holds its values (packed blocks, a packed
+    copy): a meta tensor keeps its shape and dtype, and anything that still read it would
+    fail loudly instead of computing with stale values."""
+    w = layer.weight
+    layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+
+@torch.no_grad()
 def _zero_init(layer: nn.Module) -> None:
     """Zeros where torch's layers draw random initial values: every weight is then written
     by the checkpoint's load (which refuses a checkpoint missing any) or by dummy_weights,

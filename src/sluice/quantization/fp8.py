@@ -20,9 +20,8 @@ The LM head, the embedding and a mixture of experts' router stay in the model's 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from sluice.models.linear import Linear
+from sluice.models.linear import Linear, release_weight
 from sluice.quantization.base import QuantizationScheme
 
 E4M3_MAX = 448.0
@@ -95,8 +94,7 @@ class Fp8(QuantizationScheme):
     def release(self, module: Linear) -> None:
         """Drop the bf16 weight (a meta tensor keeps its shape); new rows come through
         write_rows."""
-        w = module.weight
-        module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        release_weight(module)
         module.write_rows = lambda start, values: self._write(module, start, values)
 
 

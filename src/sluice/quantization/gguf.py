@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from sluice.models.linear import Linear
+from sluice.models.linear import Linear, release_weight
 from sluice.quantization.base import QuantizationScheme
 from sluice.quantization.gguf_blocks import QK, Q6KBlocks, quantize_8bit_blocks
 
@@ -97,13 +97,10 @@ def source_form(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, m
 
 
-@torch.no_grad()
-def release_weight(module: nn.Module) -> None:
-    """Drop the dequantized weight (the packed blocks are what the layer computes with): a
-    meta tensor keeps its shape and dtype, and anything that still read it would fail
-    loudly instead of computing with stale values."""
-    w = module.weight
-    module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+def release_blocks_layer(module: nn.Module) -> None:
+    """Drop the dequantized weight (the packed blocks are what the layer computes with) and
+    the file's blocks it was packed from."""
+    release_weight(module)
     module.source_blocks = None
 
 
@@ -136,7 +133,7 @@ class GGUF(QuantizationScheme):
         if q6k_form(module) is None and any(isinstance(p, Q6KBlocks) for p in parts):
             model.gguf_q6k_fused = getattr(model, "gguf_q6k_fused", 0) + 1  # said once, in embedding_and_head
         method = pack_blocks(kernels, module, deterministic)
-        release_weight(module)
+        release_blocks_layer(module)
         return method
 
     def embedding_and_head(self, kernels, model, dtype, deterministic):
@@ -148,7 +145,7 @@ class GGUF(QuantizationScheme):
         emb = model.model.embed_tokens
         method = pack_blocks(kernels, emb, deterministic)
         emb.method = BlockRows(kernels, method, emb.weight.shape[1], dtype)
-        release_weight(emb)
+        release_blocks_layer(emb)
         return method if model.lm_head is None else None
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from sluice.models.linear import Linear
+from sluice.models.linear import Linear, release_weight
 from sluice.quantization.base import QuantizationScheme, end_layers, weight_read_directly
 
 BLOCK_4BIT = 32
@@ -134,7 +134,6 @@ class W4A8(QuantizationScheme):
 
     def kernel_method(self, kernels, model, name, module, dtype, deterministic):
         from sluice.backends.cpu.linear import kernel_weight
-        from sluice.quantization.gguf import release_weight
         end = name.startswith(end_layers(model))
         weight = module.weight
         if end and weight.device.type == "meta":  # an update of a released end layer: its values again

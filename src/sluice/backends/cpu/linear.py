@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sluice.models.linear import release_weight
+
 
 # Measured crossovers on a 2-core AVX-512 CPU: torch's int8 matmul wins at 1-2 rows;
 # our int8 kernel at up to ~8 (30 layers: 4.6 vs 7.5 ms at 1 row, 5.1 vs 7.4 at 4, slower at 16).
@@ -155,8 +157,7 @@ def release_packed_weight(module, packed=None) -> None:
     GB). New rows (a weight update) restore the weight from the packed copy first and are
     written into it; the backend then packs it and releases it again. packed: where the
     copy is (default: the module's method's)."""
-    shape, dtype = module.weight.shape, module.weight.dtype
-    module.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    release_weight(module)
     source = packed or (lambda: module.method.packed)
 
     def write_rows(start: int, values: torch.Tensor) -> None:
