@@ -131,6 +131,26 @@ def test_a_packed_weight_unpacks_to_itself(dtype):
                 k.bi_packed_rows(torch.tensor([bad]), packed, 37, 131)
 
 
+@pytest.mark.requires("kernels")
+@pytest.mark.parametrize("nibbles_only", [False, True])
+def test_packed_4bit_weights_unpack_to_their_form(nibbles_only):
+    """What a w4a8 layer's update is written into once its FourBit is dropped: the q, d and
+    m its packed copy holds, from the byte layout (kept on the AVX2 builds for bigger
+    steps) or from the nibbles alone, with float32 or float16 scales."""
+    from sluice.backends.cpu import x86 as kernels
+    from sluice.backends.cpu.linear import kernel_weight
+    from sluice.quantization.w4a8 import quantize_4bit, unpack_4bit
+    k = kernels.load()
+    torch.manual_seed(3)
+    n, kk = 37, 131
+    q, d, m = quantize_4bit(torch.randn(n, kk).to(torch.bfloat16))
+    for d_, m_ in ((d, m), (d.half().float(), m.half().float())):  # float32 scales; float16 values (a GGUF's)
+        method = kernel_weight(k, torch.empty(n, kk, device="meta"), None, False, w4=(q, d_, m_),
+                               nibbles_only=nibbles_only)
+        back = unpack_4bit(method, n, kk).unpacked()
+        assert all(torch.equal(a, b) for a, b in zip(back, (q, d_, m_)))
+
+
 def test_int8_weights_read_back_exactly():
     """Quantized layers keep only their dequantized bf16 weights and float32 scales; the
     int8 values read back from them are the ones quantizing computed (what lets an update

@@ -14,32 +14,47 @@ rows of the step that use it, after the base product.
 Embedding's `method(ids)`, where set, reads the rows from the backend's own copy of the
 table (a GGUF's quantized blocks, shared with a tied LM head: quantization/gguf.py).
 
-Built inside `weights_unallocated()`, both layers' weights are meta tensors (shape and
-dtype, no memory): for a load that hands the weights over in another form (a GGUF's own
-blocks, `model.load_weights` with `tensor.gguf_blocks`), so a model bigger than memory in
-bf16 never needs its bf16 size at load.
+Built inside `building_weights(dtype, unallocated)`, both layers' weights are made in the
+model's dtype at once (built in float32 and then converted, a model's build needed 4 bytes
+a parameter: 32 GB for an 8B model, whatever its load then kept), and the kinds named in
+`unallocated` get meta weights (shape and dtype, no memory): for a load that hands the
+weights over in another form (a GGUF's own blocks, `model.load_weights` with
+`tensor.gguf_blocks`), so a model bigger than memory in bf16 never needs its bf16 size at
+load.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-_unallocated = False
+_unallocated: frozenset[str] = frozenset()   # "linear", "embedding": which layers get meta weights
+_dtype: torch.dtype | None = None             # their parameters' dtype (None: torch's default)
 
 
 @contextmanager
-def weights_unallocated():
-    """Linear and Embedding layers built in this block get meta weights (biases as usual)."""
-    global _unallocated
-    saved, _unallocated = _unallocated, True
+def building_weights(dtype: torch.dtype | None = None, unallocated: Iterable[str] = ()):
+    """Linear and Embedding layers built in this block: parameters in `dtype`, and meta
+    weights (biases as usual) for the kinds in `unallocated` ("linear", "embedding")."""
+    global _unallocated, _dtype
+    saved = _unallocated, _dtype
+    _unallocated, _dtype = frozenset(unallocated), dtype
     try:
         yield
     finally:
-        _unallocated = saved
+        _unallocated, _dtype = saved
+
+
+@torch.no_grad()
+def allocate_weight(layer: nn.Module, device: torch.device | str) -> None:
+    """Give a layer built without a weight (building_weights) one, of zeros on `device`, for
+    a load that writes its values after all."""
+    w = layer.weight
+    layer.weight = nn.Parameter(torch.zeros(w.shape, dtype=w.dtype, device=device), requires_grad=False)
 
 
 @torch.no_grad()
@@ -66,11 +81,11 @@ class Linear(nn.Linear):
     lora = None    # with LoRA adapters served: its slots (lora/slots.py LoRALayer), called as lora(x, y)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
-        if not _unallocated:
-            super().__init__(in_features, out_features, bias)
+        if "linear" not in _unallocated:
+            super().__init__(in_features, out_features, bias, dtype=_dtype)
             return
-        super().__init__(in_features, out_features, False, device="meta")
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        super().__init__(in_features, out_features, False, device="meta", dtype=_dtype)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=_dtype)) if bias else None
 
     def reset_parameters(self) -> None:
         _zero_init(self)
@@ -90,7 +105,8 @@ class Embedding(nn.Embedding):
     method = None  # set by the backend; None: the table as loaded
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim, device="meta" if _unallocated else None)
+        super().__init__(num_embeddings, embedding_dim, device="meta" if "embedding" in _unallocated else None,
+                         dtype=_dtype)
 
     def reset_parameters(self) -> None:
         _zero_init(self)

@@ -282,19 +282,28 @@ def gguf_weight_names(src: ModelSource) -> list[str] | None:
     read from the header alone); None for other checkpoints. A model checks them before any
     tensor is dequantized, so that a file whose metadata names more layers than it holds
     fails in a second, not after the whole load."""
+    types = gguf_weight_types(src)
+    return None if types is None else list(types)
+
+
+def gguf_weight_types(src: ModelSource) -> dict[str, str] | None:
+    """gguf_weight_names with each tensor's GGUF type name ("Q4_1", "F32", ...), in the
+    file's order; None for other checkpoints."""
     if not src.is_gguf:
         return None
+    from gguf.constants import GGMLQuantizationType
     meta, tensors, _ = read_gguf(src.path)
     arch = meta.get("general.architecture", "llama")
-    names = []
+    types = {}
     for t in tensors:
+        kind = GGMLQuantizationType(t.ggml_type).name
         experts = _EXPERTS_RE.match(t.name)
         if experts:
             layer, proj = experts.groups()
-            names += [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(t.shape[0])]
+            types.update((f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight", kind) for e in range(t.shape[0]))
         else:
-            names.append(gguf_to_hf_name(t.name, arch))
-    return names
+            types[gguf_to_hf_name(t.name, arch)] = kind
+    return types
 
 
 def _iter_safetensors(folder: Path, dtype: torch.dtype):
@@ -565,6 +574,27 @@ def dequantized(raw: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray:
     return w.view(rows, k).numpy()
 
 
+# Values per chunk of rows that dequantized_as holds in float32 at once (32 MB).
+DEQUANT_CHUNK_VALUES = 1 << 23
+
+
+def dequantized_as(raw: np.ndarray, qtype, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """dequantized's values in `dtype`, made a chunk of rows at a time (a row holds whole
+    blocks, so each chunk's values are the whole tensor's): the float32 values and their
+    decoders' temporaries never exist for the whole tensor at once, which for Gemma 3's
+    embedding (168M values) peaked at ~0.9 GB over the bf16 table it made."""
+    from sluice.heap import return_freed_memory
+    rows, k = shape
+    step = max(1, DEQUANT_CHUNK_VALUES // max(1, k))
+    out = torch.empty(shape, dtype=dtype)
+    for i in range(0, rows, step):
+        n = min(step, rows - i)
+        out[i:i + n] = torch.from_numpy(np.require(dequantized(raw[i:i + n], qtype, (n, k)), np.float32, ["C"]))
+        if rows > step:  # the chunk's temporaries back to the system, not only to the heap's free lists
+            return_freed_memory()
+    return out
+
+
 def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool | frozenset[str] = False):
     from collections import Counter
 
@@ -594,6 +624,8 @@ def _iter_gguf(path: Path, dtype: torch.dtype, blocks: bool | frozenset[str] = F
             tensor = torch.empty(shape, dtype=dtype, device="meta")
             tensor.gguf_blocks = Q6KBlocks(*fields) if isinstance(own, Q6KBlocks) else tuple(fields)
             return tensor
+        if blocks is not True and not (permute and heads is not None):
+            return dequantized_as(raw, qtype, shape, dtype)
         w = dequantized(raw, qtype, shape)
         if permute and heads is not None:
             w = unpermute_qk(w, heads)

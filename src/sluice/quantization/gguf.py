@@ -18,7 +18,7 @@ The embedding table is read from the same packed blocks as the tied LM head (no 
 copy), and 4-bit weights keep only their nibbles on every build (the AVX2 builds' byte
 layout, faster from 8 rows there, would double their bytes). From a GGUF the linear and
 embedding weights are never allocated in the model dtype (models/linear.py,
-weights_unallocated; worker/shard.py); a model of another source is loaded in bf16 and its
+building_weights; worker/shard.py); a model of another source is loaded in bf16 and its
 weights released after packing. Either way no dequantized weights remain, so this scheme
 cannot take weight updates (LLMEngine.update_weights refuses them).
 """

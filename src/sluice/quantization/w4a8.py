@@ -4,10 +4,15 @@ the int8 activations of w8a8 (backends/cpu/x86/w4a8.cpp), at every row count: th
 batches on AVX2 CPUs without VNNI. Its end layers (base.end_layers) multiply the 4-bit
 weights' values in bf16.
 
-A layer keeps its 4-bit form (`module.w4`, FourBit: what the kernels pack, and what an
-update's new rows are fitted into) and releases its bf16 weight once packed: the weight
-would be 2 bytes a parameter, never read again (SmolLM2's layers: 212 MB; an 8B model's
-~16 GB). New rows come through `module.write_rows`, as FP8's do."""
+A layer releases its bf16 weight once packed: the weight would be 2 bytes a parameter,
+never read again (SmolLM2's layers: 212 MB; an 8B model's ~16 GB). Its 4-bit form
+(`module.w4`, FourBit: what the kernels pack, and what an update's new rows are fitted
+into) is dropped too once packed, 0.75 bytes a parameter (a 1B model's 0.7 GB): the packed
+copy holds the same q, d and m, and an update unpacks them again (unpack_4bit) before its
+new rows are written; only the end layers, whose packed copy is of bf16 values, keep it.
+New rows come through `module.write_rows`, as FP8's do. From a Q4_1 GGUF (in one
+process) the layers are built without a weight at all and take the file's blocks as their
+form (worker/shard.py), so the load never holds the bf16 model either."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -94,8 +99,31 @@ def quantize_rows_4bit(module: Linear, start: int = 0, rows: int | None = None) 
 def write_rows_4bit(module: Linear, start: int, values: torch.Tensor) -> None:
     """New rows [start, start + len(values)) of a layer whose weight is released: fitted as
     quantize_rows_4bit fits them (rows are independent, so as a fresh load of them would
-    be), into `module.w4`."""
+    be), into `module.w4`, unpacked again from the packed copy by the update's first rows."""
+    if getattr(module, "w4", None) is None:
+        module.w4 = unpack_4bit(module.method, *module.weight.shape)
     module.w4.write(start, *quantize_4bit(values))
+
+
+def unpack_4bit(method, n: int, k: int) -> FourBit:
+    """A layer's 4-bit form from its packed copy (backends/cpu/linear.py KernelWeight, as
+    kernel_weight packs w4a8): the byte layout [N/16, K/4, 16, 4] where it was kept, else the
+    nibbles (two 4-k steps a byte: the even step low), and the block scales and minimums
+    [N/16, nblk, 16] (float32, or float16 holding the same values)."""
+    steps = method.w4a8
+    if steps is None or steps.numel() == 0:
+        nib = method.w4nib
+        steps = torch.stack((nib & 15, nib >> 4), dim=2).view(nib.shape[0], -1, *nib.shape[2:])
+    if steps.dtype != torch.uint8 or method.w4m.dtype == torch.int8:
+        raise ValueError("not a w4a8 layer's packed 4-bit weights")
+    nb, ks, lanes, per = steps.shape
+    q = steps.permute(0, 2, 1, 3).reshape(nb * lanes, ks * per)[:n, :k]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.float().permute(0, 2, 1).reshape(nb * lanes, t.shape[1])[:n]
+    four = FourBit.zeros(n, k)
+    four.write(0, q, rows(method.w4d), rows(method.w4m))
+    return four
 
 
 def _file_blocks(module: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -128,9 +156,17 @@ class W4A8(QuantizationScheme):
     keeps_weights = False
 
     def quantize_rows(self, module, start=0, rows=None):
-        if module.weight.device.type == "meta":  # released: write_rows fitted the new rows
-            return
-        quantize_rows_4bit(module, start, rows)
+        if module.weight.device.type != "meta":
+            quantize_rows_4bit(module, start, rows)
+        elif getattr(module, "w4", None) is None:
+            # Built without a weight (a Q4_1 GGUF's load, worker/shard.py): the file's blocks
+            # are its form as they are.
+            own = _file_blocks(module)
+            if own is None:
+                raise ValueError("a w4a8 layer built without a weight takes a Q4_1 GGUF's blocks of the whole layer")
+            module.w4 = FourBit.zeros(*module.weight.shape)
+            module.w4.write(0, *own)
+        # else released after its load: write_rows fitted the new rows
 
     def kernel_method(self, kernels, model, name, module, dtype, deterministic):
         from sluice.backends.cpu.linear import kernel_weight
@@ -142,6 +178,8 @@ class W4A8(QuantizationScheme):
         if not weight_read_directly(name):
             release_weight(module)
             module.write_rows = lambda start, values: write_rows_4bit(module, start, values)
+            if not end:  # the packed copy holds it (unpack_4bit)
+                module.w4 = None
         return method
 
 

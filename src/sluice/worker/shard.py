@@ -4,8 +4,6 @@ builds one (rank 0), and so does every other tensor-parallel rank's process
 (distributed/tp_rank.py): this module is what both import, so neither imports the other."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +12,12 @@ from sluice.backends.select import select as select_backend
 from sluice.config import EngineConfig
 from sluice.distributed.parallel import SINGLE, TPShard
 from sluice.distributed.tensor_parallel import share_weights
-from sluice.models.linear import weights_unallocated
-from sluice.models.loader import dummy_weights, gguf_weight_names, iter_weights, load_hf_config, resolve_model
+from sluice.heap import return_freed_memory
+from sluice.models.linear import Linear, allocate_weight, building_weights
+from sluice.models.loader import (dummy_weights, gguf_linear_types, gguf_weight_names, gguf_weight_types, iter_weights,
+                                  load_hf_config, resolve_model)
 from sluice.models.registry import build_model
+from sluice.quantization.base import weight_read_directly
 from sluice.worker.model_runner import ModelRunner
 
 
@@ -41,18 +42,20 @@ class Shard:
         return_freed_memory()
 
 
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim). A load frees far
-    more than the model keeps (each matrix's float32 dequantization, the bf16 weights a
-    quantization scheme releases once packed, the float32 copy the greedy head's int8 one
-    is made from), and glibc keeps freed heap pages mapped, counted in the process's RSS,
-    unless asked: the default engine on SmolLM2 held 3.1 GB after its load, 1.9 GB after
-    the trim (1 GB of it the KV cache). Elsewhere (not glibc) nothing is done."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+def allocate_unblocked(model, types: dict[str, str], kind: str, device) -> None:
+    """For a model whose Linear layers were built without weights: allocate those that the
+    file does not give whole in `kind` blocks (types: its tensors' GGUF types by Hugging
+    Face name; a fused layer needs every part in them) and those read directly as tensors
+    (an LM head), so that the load writes their values."""
+    blocked: dict[str, bool] = {}
+    for name, t in types.items():
+        slot = model.weight_slot(name)
+        if slot is not None:
+            blocked[slot.param] = blocked.get(slot.param, True) and t == kind
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight.device.type == "meta" and \
+                (not blocked.get(f"{name}.weight", False) or weight_read_directly(name)):
+            allocate_weight(module, device)
 
 
 def build_shard(config: EngineConfig, group=None) -> Shard:
@@ -66,12 +69,19 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     backend = select_backend(mc, config.cache, size, log=rank == 0)
     src = resolve_model(mc.model)
     hf_config = load_hf_config(src)
-    # quantization='gguf' on a GGUF: the linear layers' and the embedding's weights come as
-    # the file's blocks, so they are never allocated in the model dtype (a Q4_K_M file
-    # loads in about its own size, not its bf16 size).
-    unallocated = mc.quantization == "gguf" and src.is_gguf and mc.load_format == "auto"
-    with torch.device(backend.device), weights_unallocated() if unallocated else contextlib.nullcontext():
+    # Layers whose weights come as the file's blocks are built without them, so they are
+    # never allocated in the model dtype: quantization='gguf' on a GGUF (the linear layers
+    # and the embedding: a Q4_K_M file loads in about its own size, not its bf16 size), and
+    # w4a8 on a Q4_1 GGUF in one process (the linear layers: their Q4_1 blocks are their
+    # form; an 8B file loads in ~5 GB, not the 16 GB its bf16 weights would take).
+    blocks_load = src.is_gguf and mc.load_format == "auto"
+    q4_blocks = blocks_load and mc.quantization == "w4a8" and size == 1 and gguf_linear_types(src) == {"Q4_1"}
+    unallocated = (("linear", "embedding") if blocks_load and mc.quantization == "gguf"
+                   else ("linear",) if q4_blocks else ())
+    with torch.device(backend.device), building_weights(backend.dtype, unallocated):
         model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
+    if q4_blocks:
+        allocate_unblocked(model, gguf_weight_types(src), "Q4_1", backend.device)
     arch = model.arch
     backend.check_model(arch)
     if mc.load_format == "dummy":  # random weights of the model's shape, made on the device

@@ -31,6 +31,7 @@ from sluice.backends.cpu.linear import (KernelWeight, PackedRows, PackedWeight, 
 from sluice.backends.cpu.ops import DecodeKernelOps, KernelOps
 from sluice.backends.kv_int8 import INT8_ROW_EXTRA
 from sluice.backends.torch_ref import TORCH_OPS
+from sluice.heap import return_freed_memory
 from sluice.models.linear import Linear
 from sluice.quantization.base import weight_read_directly
 from sluice.quantization.int8 import quantize_per_channel
@@ -403,6 +404,9 @@ class CpuBackend(Backend):
             if scheme is not None:
                 scheme.quantize_rows(module)
             module.method = self._linear_method(model, name, module, scheme)
+            # What the layer no longer needs (its weight, the file's blocks) back to the
+            # system as the layers go, so that they and the packed copies never add up.
+            return_freed_memory()
         self._finish(model, scheme, max_positions, with_head, huge_pages=True)
 
     @torch.no_grad()
@@ -464,6 +468,7 @@ class CpuBackend(Backend):
             # Tied head: an int8 copy for the head; the embedding table stays as loaded.
             q, scale = quantize_per_channel(model.model.embed_tokens.weight)
             int8_head = (q, scale.to(self.dtype))
+            del q, scale
         for module in model.modules():
             if hasattr(type(module), "ops"):
                 module.ops = self.ops
@@ -483,39 +488,49 @@ class CpuBackend(Backend):
                 model.head = packed
             return
         if with_head:
-            if packed_head is not NotImplemented and model.lm_head is None:
-                head = packed_head  # the embedding's packed blocks are the tied head's
-            elif model.lm_head is None:  # tied head: its own packed copy of the embedding table
-                head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, self.deterministic)
-            else:
-                head = model.lm_head.method
-            model.head = dataclasses.replace(head, out_float32=True)  # float32 logits
-            if self.head.startswith("kernels-greedy-") and head.packed is not None:
-                # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
-                q, scale = quantize_per_channel(model.head_weight())
-                seven_bit = self.head == "kernels-greedy-w8a7"
-                packed_int8 = k.head_w8a7_pack(q) if seven_bit else k.w8a8_pack_weight(q)
-                model.greedy_head = GreedyHead(k, packed_int8, scale.float().contiguous(), head.packed,
-                                               model.arch.vocab_size, seven_bit)
+            self._heads(model, k, packed_head, int8_head)
+        # Nothing but the model's holders may keep a tensor that moves (an original kept
+        # alive here would stay beside its copy).
+        own_blocks_head = packed_head is not NotImplemented
+        del int8_head, packed_head
+        head = getattr(model, "head", None)
+        if (with_head and model.lm_head is None and not own_blocks_head and isinstance(head, KernelWeight)
+                and head.packed is not None and head.packed.dim() == 4 and emb.weight.dtype == torch.bfloat16):
+            # Tied: the embedding reads its rows from the head's packed copy of the same table
+            # (the greedy head's int8 copy is made above; an update restores the table first).
+            # Both read `head.packed` when called, so wherever the move below puts it; the
+            # table is released first, so that it and the moved copies never add up.
+            emb.method = PackedRows(head, *emb.weight.shape)
+            release_packed_weight(emb, lambda: head.packed)
         # Every step streams these: one arena on huge pages (huge_pages.py), before the
         # decoder stack takes its references.
         if huge_pages:
             to_huge_pages(_weight_holders(model))
         if self.stack and model.stackable:
             model.fast_forward = StackForward(build_stack(model, k))
-        head = getattr(model, "head", None)
-        if (with_head and model.lm_head is None and packed_head is NotImplemented and isinstance(head, KernelWeight)
-                and head.packed is not None and head.packed.dim() == 4 and emb.weight.dtype == torch.bfloat16):
-            # Tied: the embedding reads its rows from the head's packed copy of the same table
-            # (the greedy head's int8 copy is made above; an update restores the table first).
-            emb.method = PackedRows(head, *emb.weight.shape)
-            release_packed_weight(emb, lambda: head.packed)
         if self.deterministic and model.rope_table is None:
             # One cos/sin table for every position, built once: computing them per batch runs
             # cos/sin over a tensor whose length depends on the batch, and vectorised and
             # scalar-tail elements of such kernels may round differently.
             model.fix_rope_tables(max_positions or model.arch.max_position_embeddings,
                                   model.model.embed_tokens.weight.dtype)
+
+    def _heads(self, model, k, packed_head, int8_head) -> None:
+        """model.head (float32 logits) and, on the greedy fast path, model.greedy_head."""
+        if packed_head is not NotImplemented and model.lm_head is None:
+            head = packed_head  # the embedding's packed blocks are the tied head's
+        elif model.lm_head is None:  # tied head: its own packed copy of the embedding table
+            head = kernel_weight(k, model.model.embed_tokens.weight, int8_head, self.deterministic)
+        else:
+            head = model.lm_head.method
+        model.head = dataclasses.replace(head, out_float32=True)  # float32 logits
+        if self.head.startswith("kernels-greedy-") and head.packed is not None:
+            # The same weight the bf16 head multiplies by, in int8 for the greedy fast path.
+            q, scale = quantize_per_channel(model.head_weight())
+            seven_bit = self.head == "kernels-greedy-w8a7"
+            packed_int8 = k.head_w8a7_pack(q) if seven_bit else k.w8a8_pack_weight(q)
+            model.greedy_head = GreedyHead(k, packed_int8, scale.float().contiguous(), model.head.packed,
+                                           model.arch.vocab_size, seven_bit)
 
     def lora_kernel(self):
         """Where the kernels run the model: lora.cpp's one call per layer for every adapter
