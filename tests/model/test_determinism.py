@@ -135,8 +135,10 @@ def det_solo(det_engine):
 
 def test_probes_bitwise_equal_to_solo_in_random_crowds(det_engine, det_solo):
     preempted_before = det_engine.scheduler.num_preemptions
-    runs, differ, cached = crowd_mismatches(det_engine, det_solo, trials=12, seed=0)
-    assert runs >= 24
+    # Eight trials: 18 probe runs, two preemptions (in the fifth trial) and four prefix
+    # hits, the same on every machine (see det_engine); twelve took 44 s of the suite.
+    runs, differ, cached = crowd_mismatches(det_engine, det_solo, trials=8, seed=0)
+    assert runs >= 16
     assert differ == 0, f"{differ} of {runs} probe runs differ from their solo run"
     # The conditions the guarantee covers happened (a function of the seeded arrivals; the
     # next test makes each certain by construction).
