@@ -441,6 +441,34 @@ def test_w4a8_quantization_runs_on_the_q4_1_files_own_values(smollm2_source, bes
         LLM(cpu_isa=best_kernel_isa, dtype="float32", quantization="w4a8", kv_cache_memory=0.1)
 
 
+def test_w4a8_builds_a_q4_1_files_layers_without_weights(tmp_path, best_kernel_isa):
+    """On a Q4_1 GGUF the w4a8 layers are built without weights (the file's blocks are their
+    form); a layer the file does not give in Q4_1, here an untied head in Q8_0, is allocated
+    and loaded as before. (Same tokens and logprobs, before and after an update, as when
+    every layer was first built in bf16: checked against 920af47 on this file and a tied one.)"""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from sluice.bench.synthetic_gguf import write_synthetic_gguf
+    from sluice.models.linear import Linear
+    from sluice.models.loader import _gguf_array, read_gguf
+    path = tmp_path / "untied-q4_1.gguf"
+    write_synthetic_gguf(path, hidden=256, layers=3, ffn=512, heads=4, kv_heads=2, untied=True, seed=1)
+    llm = LLM(model=str(path), cpu_isa=best_kernel_isa, kv_cache_memory=0.05, speculative_method=None)
+    assert "linear=kernels-w4a8" in llm.engine.backend.line()  # quantization='auto' on an all-Q4_1 file
+    model = llm.engine.runner.model
+    head = model.lm_head
+    assert all(m.weight.device.type == "meta" for m in model.modules() if isinstance(m, Linear) and m is not head)
+    meta, tensors, data = read_gguf(path)
+    t = next(t for t in tensors if t.name == "output.weight")
+    want = torch.from_numpy(dequantize(_gguf_array(data, t), GGMLQuantizationType(t.ggml_type)).reshape(t.shape))
+    # (w4a8 fits the head's values to 4 bits too, as it did before: within a step of them.)
+    assert head.weight.device.type == "cpu" and torch.allclose(head.weight.float(), want, atol=0.04)
+    outs = llm.generate(["Hello there", "The capital of"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert_all_blocks_free(llm)
+
+
 RESIDENT_AFTER_LOAD = """
 import json
 from sluice.engine.llm_engine import LLMEngine
