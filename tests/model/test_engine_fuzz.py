@@ -44,7 +44,7 @@ def params():
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(batch=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), params()),
                       min_size=1, max_size=4))
