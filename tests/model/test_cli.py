@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 
-
 # (w4a8 with the int8 KV cache, the fast mode's flags: test_engine.py's
 # test_w4a8_with_the_int8_kv_cache_answers_paris, in process.)
 def test_generate_on_default_model_answers_paris():
