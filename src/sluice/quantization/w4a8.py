@@ -73,6 +73,13 @@ class FourBit(NamedTuple):
         self.d[start:start + q.shape[0]] = d
         self.m[start:start + q.shape[0]] = m
 
+    @staticmethod
+    def of(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> FourBit:
+        """The whole layer from quantize_4bit's (q, d, m)."""
+        four = FourBit.zeros(*q.shape)
+        four.write(0, q, d, m)
+        return four
+
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8, d, m), quantize_4bit's form."""
         n = self.nibbles.shape[0]
@@ -121,9 +128,7 @@ def unpack_4bit(method, n: int, k: int) -> FourBit:
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.float().permute(0, 2, 1).reshape(nb * lanes, t.shape[1])[:n]
-    four = FourBit.zeros(n, k)
-    four.write(0, q, rows(method.w4d), rows(method.w4m))
-    return four
+    return FourBit.of(q, rows(method.w4d), rows(method.w4m))
 
 
 def _file_blocks(module: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -164,8 +169,7 @@ class W4A8(QuantizationScheme):
             own = _file_blocks(module)
             if own is None:
                 raise ValueError("a w4a8 layer built without a weight takes a Q4_1 GGUF's blocks of the whole layer")
-            module.w4 = FourBit.zeros(*module.weight.shape)
-            module.w4.write(0, *own)
+            module.w4 = FourBit.of(*own)
         # else released after its load: write_rows fitted the new rows
 
     def kernel_method(self, kernels, model, name, module, dtype, deterministic):

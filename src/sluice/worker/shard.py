@@ -14,8 +14,8 @@ from sluice.distributed.parallel import SINGLE, TPShard
 from sluice.distributed.tensor_parallel import share_weights
 from sluice.heap import return_freed_memory
 from sluice.models.linear import Linear, allocate_weight, building_weights
-from sluice.models.loader import (dummy_weights, gguf_linear_types, gguf_weight_names, gguf_weight_types, iter_weights,
-                                  load_hf_config, resolve_model)
+from sluice.models.loader import (dummy_weights, gguf_linear_types, gguf_weight_types, iter_weights, load_hf_config,
+                                  resolve_model)
 from sluice.models.registry import build_model
 from sluice.quantization.base import weight_read_directly
 from sluice.worker.model_runner import ModelRunner
@@ -69,6 +69,7 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     backend = select_backend(mc, config.cache, size, log=rank == 0)
     src = resolve_model(mc.model)
     hf_config = load_hf_config(src)
+    types = gguf_weight_types(src)  # a GGUF's tensors (HF names) and their types, from its header; else None
     # Layers whose weights come as the file's blocks are built without them, so they are
     # never allocated in the model dtype: quantization='gguf' on a GGUF (the linear layers
     # and the embedding: a Q4_K_M file loads in about its own size, not its bf16 size), and
@@ -81,15 +82,14 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     with torch.device(backend.device), building_weights(backend.dtype, unallocated):
         model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
     if q4_blocks:
-        allocate_unblocked(model, gguf_weight_types(src), "Q4_1", backend.device)
+        allocate_unblocked(model, types, "Q4_1", backend.device)
     arch = model.arch
     backend.check_model(arch)
     if mc.load_format == "dummy":  # random weights of the model's shape, made on the device
         dummy_weights(model, mc.seed)
     else:
-        names = gguf_weight_names(src) if rank == 0 else None
-        if names is not None:  # a GGUF lacking tensors fails before its load, not after
-            model.check_checkpoint_names(names)
+        if types is not None and rank == 0:  # a GGUF lacking tensors fails before its load, not after
+            model.check_checkpoint_names(types)
         # Under tensor parallelism rank 0 reads the checkpoint and sends it to the others.
         # quantization='gguf': every matrix's blocks; w4a8 in one process: a Q4_1 file's
         # own (its d and m exactly, not refitted from the bf16 values; tensor parallelism

@@ -24,6 +24,8 @@ import mmap
 
 import torch
 
+from sluice.heap import return_freed_memory
+
 logger = logging.getLogger(__name__)
 
 # Below this a tensor is not worth a mapping of its own (a 2 MB page would not fit whole).
@@ -68,7 +70,6 @@ def to_huge_pages(holders: list) -> int:
     copy, its pages handed back as the move goes (return_freed_memory). Zeroing the arena
     first and freeing the originals at the end peaked at twice the packed weights (an 8B
     model's bf16 ones: 32 GB for 16)."""
-    from sluice.heap import return_freed_memory
     fields, sizes = _movable(holders)
     total = sum(sizes.values())
     if total < MIN_BYTES:
