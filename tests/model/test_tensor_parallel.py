@@ -148,3 +148,25 @@ def test_kernels_on_two_ranks_round_each_sum_once(tiny_checkpoint, quantization)
         tp.engine.shutdown()
     same = sum(a == b for a, b in zip(one, two))
     assert same >= 0.9 * len(one), (same, len(one))
+
+
+def test_a_rank_builds_its_shard_from_rank_0s_spec_without_transformers(tiny_checkpoint):
+    """Ranks other than 0 are handed the model's spec (registry.model_spec) and never read
+    the config: transformers' config classes would cost each rank's start ~2.7 s of
+    imports. A shard built the way a rank builds it, in a fresh process."""
+    import pickle
+    import subprocess
+    import sys
+
+    from sluice.config import EngineConfig
+    from sluice.models.loader import load_hf_config, resolve_model
+    from sluice.models.registry import model_spec
+    config = EngineConfig.from_kwargs(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=16)
+    spec = model_spec(load_hf_config(resolve_model(config.model.model)))
+    code = ("import pickle, sys\nfrom sluice.worker.shard import build_shard\n"
+            "config, spec = pickle.loads(sys.stdin.buffer.read())\nshard = build_shard(config, None, spec)\n"
+            "print(shard.model.arch == spec[1], shard.hf_config, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((config, spec)), capture_output=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == ["True", "None", "False"]

@@ -140,15 +140,16 @@ class TensorParallel:
         self.procs: list = []
         self.closed = False
 
-    def start(self, config) -> None:
-        """Start ranks 1..N-1 with the engine's config (its cache's num_blocks set) and join
-        the group with them; they then load their shards (wait_ready)."""
+    def start(self, config, spec) -> None:
+        """Start ranks 1..N-1 with the engine's config (its cache's num_blocks set) and the
+        model's registry.model_spec, and join the group with them; they then load their
+        shards (wait_ready)."""
         import atexit
         import subprocess
         import sys
         import threading
         atexit.register(self.close)
-        blob = pickle.dumps(config)
+        blob = pickle.dumps((config, spec))
         for rank in range(1, self.size):
             proc = subprocess.Popen([sys.executable, "-m", "sluice.distributed.tp_rank", str(rank),
                                      str(self.size), str(self.group.port)], stdin=subprocess.PIPE)

@@ -1,6 +1,7 @@
 """A tensor-parallel rank's process: `python -m sluice.distributed.tp_rank RANK SIZE PORT`,
-the engine's config pickled on stdin (distributed/tensor_parallel.py starts it). It builds
-its shard (worker/shard.py) and runs the commands rank 0 broadcasts."""
+the engine's config and the model's spec (registry.model_spec) pickled on stdin
+(distributed/tensor_parallel.py starts it). It builds its shard (worker/shard.py) and runs
+the commands rank 0 broadcasts."""
 import logging
 import pickle
 import sys
@@ -13,13 +14,13 @@ from sluice.worker.shard import build_shard
 logger = logging.getLogger(__name__)
 
 
-def _worker_main(rank: int, size: int, port: int, config) -> None:
+def _worker_main(rank: int, size: int, port: int, config, spec) -> None:
     """A rank other than 0: load its shard, then run the commands rank 0 broadcasts."""
     torch.set_num_threads(threads_per_rank(size))
     group = TPGroup("127.0.0.1", port, rank, size)
     group.connect()
     try:
-        shard = build_shard(config, group)
+        shard = build_shard(config, group, spec)
     except Exception as e:  # reported to rank 0, which raises it
         logger.exception("tensor-parallel rank %d failed to start", rank)
         group.store.set(f"ready{rank}", f"{type(e).__name__}: {e}")
@@ -47,4 +48,4 @@ def _worker_main(rank: int, size: int, port: int, config) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{sys.argv[1]} %(name)s: %(message)s")
-    _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pickle.loads(sys.stdin.buffer.read()))
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *pickle.loads(sys.stdin.buffer.read()))

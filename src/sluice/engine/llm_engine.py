@@ -35,7 +35,7 @@ from sluice.engine.request_checks import RequestChecks
 from sluice.distributed.parallel import check_tp_size, split
 from sluice.distributed.tensor_parallel import TensorParallel
 from sluice.models.loader import forget_gguf_files, gguf_tensor_bytes, iter_weights, load_hf_config, resolve_model
-from sluice.models.registry import model_arch
+from sluice.models.registry import model_spec
 from sluice.outputs import RequestOutput
 from sluice.request import MAX_SESSION_ID_CHARS, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
@@ -124,7 +124,8 @@ class LLMEngine:
         self.tp: TensorParallel | None = None
         if size > 1:
             backend = select_backend(mc, config.cache, size, log=False)  # refuses what cannot run here
-            arch = model_arch(load_hf_config(resolve_model(mc.model)))
+            spec = model_spec(load_hf_config(resolve_model(mc.model)))
+            arch = spec[1]
             check_tp_size(size, arch.num_kv_heads)
             heads = split(arch.num_kv_heads, size, 0)[1]
             cache = dataclasses.replace(config.cache, num_blocks=backend.num_kv_blocks(config.cache, arch, heads))
@@ -133,7 +134,7 @@ class LLMEngine:
             self.tp = TensorParallel(size)
         try:
             if self.tp is not None:
-                self.tp.start(config)
+                self.tp.start(config, spec)
             shard = build_shard(config, self.tp.group if self.tp else None)
             if self.tp is not None:
                 self.tp.wait_ready()

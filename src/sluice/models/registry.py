@@ -33,15 +33,18 @@ def _classes(hf_config):
     raise ValueError(f"unsupported architecture {archs or model_type}; supported: {', '.join(_MODELS)}")
 
 
-def model_arch(hf_config):
-    """The architecture record (sizes, heads) of this config's model."""
-    return _classes(hf_config)[1].from_hf_config(hf_config)
-
-
-def build_model(hf_config, tp: TPShard = SINGLE):
-    """The model for this config; under tensor parallelism, rank tp.rank's part of it."""
+def model_spec(hf_config) -> tuple[type, object]:
+    """(model class, architecture record) of this config's model: all that building it
+    takes. Tensor-parallel ranks are handed it by rank 0 and never read the config
+    themselves: transformers' config classes cost a fresh process ~2.7 s of imports
+    (torch.distributed.tensor and sympy among them), which a rank would pay at every start."""
     model_cls, arch_cls = _classes(hf_config)
-    arch = arch_cls.from_hf_config(hf_config)
+    return model_cls, arch_cls.from_hf_config(hf_config)
+
+
+def build_model(spec: tuple[type, object], tp: TPShard = SINGLE):
+    """The model of a model_spec; under tensor parallelism, rank tp.rank's part of it."""
+    model_cls, arch = spec
     check_tp_size(tp.size, arch.num_kv_heads)
     if tp.size > 1 and getattr(arch, "qk_norm_full", False):
         raise ValueError("this model's q / k norms span every attention head (OLMoE): tensor parallelism would "

@@ -16,7 +16,7 @@ from sluice.heap import return_freed_memory
 from sluice.models.linear import Linear, allocate_weight, building_weights
 from sluice.models.loader import (dummy_weights, gguf_linear_types, gguf_weight_types, iter_weights, load_hf_config,
                                   resolve_model)
-from sluice.models.registry import build_model
+from sluice.models.registry import build_model, model_spec
 from sluice.quantization.base import weight_read_directly
 from sluice.worker.model_runner import ModelRunner
 
@@ -58,9 +58,11 @@ def allocate_unblocked(model, types: dict[str, str], kind: str, device) -> None:
             allocate_weight(module, device)
 
 
-def build_shard(config: EngineConfig, group=None) -> Shard:
+def build_shard(config: EngineConfig, group=None, spec=None) -> Shard:
     """Select the backend, build and load the model (rank group.rank's shard under tensor
-    parallelism), prepare it and allocate its KV cache."""
+    parallelism), prepare it and allocate its KV cache. spec: the model's
+    registry.model_spec, which ranks other than 0 are given instead of reading the config
+    (their Shard then has no hf_config)."""
     mc = config.model
     size = config.parallel.tensor_parallel_size
     rank = group.rank if group is not None else 0
@@ -68,7 +70,8 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     # built (first start) and any mode that cannot run refused before weights load.
     backend = select_backend(mc, config.cache, size, log=rank == 0)
     src = resolve_model(mc.model)
-    hf_config = load_hf_config(src)
+    hf_config = load_hf_config(src) if spec is None else None
+    spec = spec or model_spec(hf_config)
     types = gguf_weight_types(src)  # a GGUF's tensors (HF names) and their types, from its header; else None
     # Layers whose weights come as the file's blocks are built without them, so they are
     # never allocated in the model dtype: quantization='gguf' on a GGUF (the linear layers
@@ -80,7 +83,7 @@ def build_shard(config: EngineConfig, group=None) -> Shard:
     unallocated = (("linear", "embedding") if blocks_load and mc.quantization == "gguf"
                    else ("linear",) if q4_blocks else ())
     with torch.device(backend.device), building_weights(backend.dtype, unallocated):
-        model = build_model(hf_config, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
+        model = build_model(spec, TPShard(rank, size, group) if size > 1 else SINGLE).to(backend.dtype)
     if q4_blocks:
         allocate_unblocked(model, types, "Q4_1", backend.device)
     arch = model.arch
