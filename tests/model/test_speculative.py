@@ -59,12 +59,13 @@ def spec_f32(smollm2_llm):
 
 
 def test_greedy_is_token_for_token_the_plain_engine_float32(spec_f32):
-    params = SamplingParams(temperature=0, max_tokens=80)
+    params = SamplingParams(temperature=0, max_tokens=48)
     want = outputs(spec_f32, PROMPTS, params, speculative=False)
     before = spec_f32.engine.scheduler.spec.stats.accepted
     assert outputs(spec_f32, PROMPTS, params) == want
     st = spec_f32.engine.scheduler.spec.stats
-    assert st.accepted - before > 50, "drafts were hardly ever accepted: the test would prove nothing"
+    # (64 accepted here: the first prompt's code is drafted from its own text.)
+    assert st.accepted - before > 40, "drafts were hardly ever accepted: the test would prove nothing"
     assert_all_blocks_free(spec_f32)
 
 

@@ -59,13 +59,14 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, mode,
                 child.kill()
 
 
-def test_bench_serve_reports_json_and_plot(server, tmp_path):
+def test_bench_serve_reports_json_and_plot(server, tmp_path, capsys):
+    """`sluice bench serve`: the CLI's own main, in this process (the server runs in a
+    thread of it too)."""
+    from sluice.entrypoints.cli import main
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    cmd = [sys.executable, "-m", "sluice.entrypoints.cli", "bench", "serve", "--url", server.url, "--model", MODEL,
-           "--tokenizer", server.model_path, "--concurrency", "1,4", "--requests", "8", "--input-len", "32",
-           "--output-len", "8", "--json", str(out), "--plot", str(png)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert res.returncode == 0, res.stderr
+    argv = ["bench", "serve", "--url", server.url, "--model", MODEL, "--tokenizer", server.model_path,
+            "--concurrency", "1,4", "--requests", "8", "--input-len", "32", "--output-len", "8"]
+    assert main(argv + ["--json", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert [r["concurrency"] for r in runs] == [1, 4]
@@ -73,6 +74,6 @@ def test_bench_serve_reports_json_and_plot(server, tmp_path):
         assert r["failed"] == 0 and r["requests"] == 8
         assert r["output_tok_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0
     assert png.stat().st_size > 1000
-    rate = subprocess.run(cmd[:-4] + ["--request-rate", "20"], capture_output=True, text=True, timeout=300)
-    assert rate.returncode == 0, rate.stderr
-    assert json.loads(rate.stdout.splitlines()[-1])["request_rate"] == 20.0
+    capsys.readouterr()
+    assert main(argv + ["--request-rate", "20"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["request_rate"] == 20.0
