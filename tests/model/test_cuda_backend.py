@@ -20,6 +20,12 @@ GPU = torch.cuda.is_available()
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
+def steps(n: int) -> int:
+    """n output tokens on a GPU, half of them under Triton's interpreter (which runs each
+    kernel program by program in Python: a decode step of a few sequences takes ~0.3 s)."""
+    return n if GPU else n // 2
+
+
 @pytest.fixture
 def cuda_family(monkeypatch):
     """The device the CUDA backend runs on here: the GPU, or the CPU under the
@@ -35,7 +41,7 @@ def test_triton_path_gives_the_torch_paths_greedy_tokens(tiny_checkpoint, cuda_f
     path = str(tiny_checkpoint("llama"))
     prompts = prompts_of_lengths(None, [5, 17, 40, 63, 9], seed=3)
     prompts += [prompts[2][:32] + prompts[4]]  # shares two blocks with an earlier prompt: a prefix hit
-    params = SamplingParams(max_tokens=12, **GREEDY)
+    params = SamplingParams(max_tokens=steps(12), **GREEDY)
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
     llm = LLM(model=path, dtype="float32", device=cuda_family, num_blocks=64, max_num_batched_tokens=48,
               speculative_method=None)
@@ -61,9 +67,10 @@ def test_split_k_decode_and_draft_verification_through_the_engine(tiny_checkpoin
     real = ta.decode_attention
     monkeypatch.setattr(ta, "decode_attention", lambda *a, **k: split_steps.append(k.get("out")) or real(*a, **k))
     path = str(tiny_checkpoint("llama"))
-    # Contexts up to 47 tokens: three splits of 16, the shorter sequence's last one empty.
+    # Contexts up to 47 tokens (42 under the interpreter): three splits of 16, the shorter
+    # sequence's last one empty.
     prompts = prompts_of_lengths(None, [38, 19], seed=4)
-    params = SamplingParams(max_tokens=10, **GREEDY)
+    params = SamplingParams(max_tokens=steps(10), **GREEDY)
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
     plain = LLM(model=path, dtype="float32", device=cuda_family, num_blocks=64, speculative_method=None)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == want
@@ -82,9 +89,9 @@ def test_grammar_and_penalties_on_the_gpu_path_with_async_scheduling(tiny_checkp
     is planned, the others overlap): the torch path's tokens."""
     path = str(tiny_checkpoint("llama"))
     prompts = prompts_of_lengths(None, [11, 26, 40], seed=8)
-    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "[a-z]{2,9}[0-9]{1,3}"}),
-              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.4, frequency_penalty=0.3),
-              SamplingParams(max_tokens=12, **GREEDY)]
+    params = [SamplingParams(temperature=0, max_tokens=steps(12), structured_outputs={"regex": "[a-z]{2,9}[0-9]{1,3}"}),
+              SamplingParams(temperature=0, max_tokens=steps(12), repetition_penalty=1.4, frequency_penalty=0.3),
+              SamplingParams(max_tokens=steps(12), **GREEDY)]
     want = [(o.outputs[0].token_ids, o.outputs[0].text) for o in tiny_llm.generate(prompts, params)]
     llm = LLM(model=path, dtype="float32", device=cuda_family, num_blocks=64, speculative_method=None)
     assert llm.engine.overlap
@@ -115,7 +122,7 @@ def test_sliding_windows_on_the_triton_path(tiny_checkpoint, monkeypatch):
     from sluice.backends.cuda import backend as cb
     path = str(tiny_checkpoint("gemma3"))
     prompts = prompts_of_lengths(None, [5, 17, 40, 33], seed=5)
-    params = SamplingParams(max_tokens=8, **GREEDY)
+    params = SamplingParams(max_tokens=steps(8), **GREEDY)
     want = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", num_blocks=64).generate(prompts, params)]
     monkeypatch.setattr(cb, "SPLIT_K_MIN_TOKENS", 16)
     if not GPU:  # the CUDA family on CPU tensors, under the interpreter
@@ -170,7 +177,7 @@ def test_fp8_weights_compute_their_dequantized_values(tiny_checkpoint, cuda_fami
     src = tiny_checkpoint("llama")
     deq = fp8_checkpoint(src, tmp_path / "deq", per_tensor=None)
     prompts = prompts_of_lengths(None, [5, 23, 40], seed=9)
-    params = SamplingParams(max_tokens=8, **GREEDY)
+    params = SamplingParams(max_tokens=steps(8), **GREEDY)
     want = [o.outputs[0].token_ids for o in LLM(model=str(deq), dtype="float32", num_blocks=64).generate(prompts,
                                                                                                         params)]
     llm = LLM(model=str(src), dtype="float32", device=cuda_family, num_blocks=64, quantization="fp8",
@@ -199,7 +206,7 @@ def test_an_fp8_checkpoint_loads_as_it_is(tiny_checkpoint, cuda_family, tmp_path
     path = fp8_checkpoint(tiny_checkpoint("llama"), tmp_path / "fp8", per_tensor=True)
     stored = load_file(str(path / "model.safetensors"))
     prompts = prompts_of_lengths(None, [7, 30], seed=10)
-    params = SamplingParams(max_tokens=8, **GREEDY)
+    params = SamplingParams(max_tokens=steps(8), **GREEDY)
     cpu = LLM(model=str(path), dtype="float32", num_blocks=64)
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     llm = LLM(model=str(path), dtype="float32", device=cuda_family, num_blocks=64, speculative_method=None)
