@@ -128,8 +128,9 @@ def test_dtype_auto_follows_the_kernels(as_cpu):
 
 
 def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
-    """Two checkouts of the same sources share one build; a changed byte in any source or
-    header is another build; the variants never share one."""
+    """Two checkouts of the same sources share one build, and so do two virtualenvs of the
+    same torch; a changed byte in any source or header is another build, and so is
+    another torch; the variants never share one."""
     import shutil
     from sluice.backends.cpu import x86 as kernels
     src = kernels._DIR
@@ -138,14 +139,16 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
         shutil.copytree(src, d, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
     assert kernels.build_key("avx2", a) == kernels.build_key("avx2", b) == kernels.build_key("avx2", src)
     assert kernels.build_key("avx2", a) != kernels.build_key("avx512", a)
-    # Another virtualenv's torch (its headers' path is in the compiler command): another build.
+    # The same torch in another virtualenv: the same build. Another torch: another build.
     import torch
-    real, here = torch.__file__, kernels.build_key("avx2", a)
+    real, here = (torch.__file__, torch.__version__), kernels.build_key("avx2", a)
     try:
         torch.__file__ = str(tmp_path / "other-venv" / "torch" / "__init__.py")
+        assert kernels.build_key("avx2", a) == here
+        torch.__version__ = real[1] + ".post1"
         assert kernels.build_key("avx2", a) != here
     finally:
-        torch.__file__ = real
+        torch.__file__, torch.__version__ = real
     (b / "avx2" / "avx512_on_avx2.h").write_text((b / "avx2" / "avx512_on_avx2.h").read_text() + "\n")
     assert kernels.build_key("avx2", b) != kernels.build_key("avx2", a)
     # Staging rewrites only what differs, so the build tool sees unchanged files as unchanged.
@@ -155,6 +158,25 @@ def test_build_cache_is_keyed_by_variant_and_source_content(tmp_path):
     kernels._stage(a, tmp_path / "staged")
     assert before == {p: p.stat().st_mtime_ns for p in staged.rglob("*") if p.is_file()}
     assert (staged / "avx2" / "avx512_on_avx2.h").exists() and (staged / "kernels.h").exists()
+
+
+def test_a_finished_build_loads_without_the_build_tool(monkeypatch):
+    """A fresh virtualenv of the same torch (a fresh clone's, CI's) finds the kernels built
+    before and imports them as they are: torch's loader, whose build tool compares
+    compiler commands that name the headers by path, would compile them all again."""
+    from torch.utils import cpp_extension as ce
+
+    from sluice.backends.cpu import x86 as kernels
+    from sluice.backends.platform import cpu
+    if "avx2" not in cpu().isas:
+        pytest.skip("this CPU runs no AVX2 build")
+    assert kernels.load("avx2") is not None  # built here if no earlier run did
+
+    def build_tool(*args, **kwargs):
+        raise AssertionError("torch's loader ran for a finished build")
+    monkeypatch.setattr(ce, "load", build_tool)
+    mod = kernels.build("avx2")
+    assert mod.isa == "avx2" and hasattr(mod, "w4a8_pack_weight")
 
 
 def test_the_precompiled_header_is_made_with_the_flags_every_file_compiles_with(tmp_path):

@@ -8,12 +8,13 @@ every CPU of its variant.
 
 Which variant runs is decided by backends/ (the CPU's features and the `cpu_isa`
 setting); this module builds and loads the one asked for. Each build is cached by
-variant, by the content of the sources, the flags and the torch installation: a cache
-shared by machines of different kinds never loads AVX-512 code on an AVX2 CPU, and two
-checkouts (or virtualenvs) never rebuild each other's kernels at every start: the same
-sources with the same torch share one build, anything else gets its own. Sources are
-staged into the build folder, so the compiler commands do not depend on where the
-checkout is.
+variant, by the content of the sources, the flags and the torch build (its version and
+commit): a cache shared by machines of different kinds never loads AVX-512 code on an
+AVX2 CPU, and the same sources with the same torch share one build, anything else gets
+its own. Sources are staged into the build folder, so the compiler commands do not depend
+on where the checkout is; a finished build is loaded as it is, without the build tool,
+whose commands name torch's headers by their path: so a fresh clone's virtualenv (CI's
+every run) loads the kernels an earlier one built instead of compiling them again.
 
 If a compiler is missing or the build fails, `load()` returns None (logged) and the
 backend layer falls back to torch's own ops.
@@ -71,12 +72,12 @@ def _files(source_dir: Path) -> list[Path]:
 
 def build_key(variant: str, source_dir: Path = _DIR) -> str:
     """12 hex digits over everything a build depends on: its variant's flags, the torch
-    it compiles against (version and install folder: the compiler command names torch's
-    headers by path, so two virtualenvs sharing one build folder would rebuild each
-    other's at every start), and the names and bytes of every source and header."""
+    build it compiles against (version and commit, not where it is installed: the same
+    wheel in two virtualenvs has the same headers and library), the Python version, and
+    the names and bytes of every source and header."""
     import torch
     h = hashlib.sha256()
-    h.update(repr((variant, VARIANTS[variant], _COMMON_CFLAGS, torch.__version__, os.path.dirname(torch.__file__),
+    h.update(repr((variant, VARIANTS[variant], _COMMON_CFLAGS, torch.__version__, torch.version.git_version,
                    sys.version_info[:2])).encode())
     for rel in _files(source_dir):
         h.update(str(rel).encode() + b"\0" + (source_dir / rel).read_bytes() + b"\0")
@@ -114,6 +115,10 @@ def build(variant: str, source_dir: Path = _DIR):
     build_dir = Path(_get_build_directory(name, verbose=False))
     cflags = [*_COMMON_CFLAGS, *VARIANTS[variant]]
     with _build_lock(build_dir):
+        mod = _load_built(name, build_dir)
+        if mod is not None:
+            mod.isa = variant
+            return mod
         staged = _stage(source_dir, build_dir / "src")
         started = time.monotonic()
         # Said only when loading is slow, i.e. when a build really runs.
@@ -142,6 +147,25 @@ def build(variant: str, source_dir: Path = _DIR):
             logger.warning("C++ kernels (%s) ready after %.0f s", variant, time.monotonic() - started)
         mod.isa = variant
         return mod
+
+
+def _load_built(name: str, build_dir: Path):
+    """The finished build in `build_dir`, imported as it is; None where there is none or it
+    does not load (a link cut short), and the build tool runs. Not through torch's loader:
+    its build tool would compile everything again wherever torch's headers lie elsewhere
+    than in the environment that built it (another virtualenv of the same torch)."""
+    import importlib.util
+    path = build_dir / f"{name}.so"
+    if not path.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 (built again below)
+        logger.warning("the cached C++ kernels %s do not load (%s); building them again", path, e)
+        return None
+    return mod
 
 
 # The header every translation unit includes first (ATen's tensor type and factories).
