@@ -5,7 +5,9 @@
 # (CONCURRENCY streams, default 32, REQUESTS requests, default 64; ~210-token prompts, 128
 # output tokens) and stops it. BENCH_EXTRA: JSON merged into every request (the load
 # generator's --extra-body), e.g. '{"temperature": 1.0}' to sample as clients that send no
-# temperature do, instead of its greedy default.
+# temperature do, instead of its greedy default. Each line also gives the API server
+# process's CPU seconds over the measured run (its own, not the engine core's: the two
+# share the machine's cores with the load generator).
 #   BASE=93da0d7 PAIRS=6 OUT=benchmarks/results/serve_c32/w8a8_kv8/ab1 bash benchmarks/serve_ab.sh \
 #       --quantization w8a8 --kv-cache-dtype int8
 set -euo pipefail
@@ -29,11 +31,15 @@ run() {  # NAME, then env assignments for the server
       serve --port "$PORT" "${FLAGS[@]}" > "$OUT/$name.log" 2>&1 &
   local server=$!
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 1; done
+  local cpu0; cpu0=$(awk '{print $14 + $15}' "/proc/$server/stat")
   .venv/bin/sluice bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
       --input-len 210 --output-len 128 ${BENCH_EXTRA:+--extra-body "$BENCH_EXTRA"} --json "$OUT/$name.json" > /dev/null
+  local cpu1; cpu1=$(awk '{print $14 + $15}' "/proc/$server/stat")
   kill -TERM "$server"; wait "$server" || true
-  .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
-print(sys.argv[2], f\"{r['output_tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s, TPOT p50 {1e3 * r['tpot_p50_s']:.2f} ms\")" "$OUT/$name.json" "$name"
+  .venv/bin/python -c "import json, os, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
+cpu = (int(sys.argv[4]) - int(sys.argv[3])) / os.sysconf('SC_CLK_TCK'); \
+print(sys.argv[2], f\"{r['output_tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s, TPOT p50 {1e3 * r['tpot_p50_s']:.2f} ms, server CPU {cpu:.2f} s\")" \
+      "$OUT/$name.json" "$name" "$cpu0" "$cpu1"
 }
 
 FLAGS=("$@")
