@@ -651,7 +651,7 @@ class EngineCoreClient(EngineState):
         """Move the reading of the core's messages onto `loop` (the server's event loop, where
         the streams wait), once, at the first request: a reader thread handing every step's
         outputs over with call_soon_threadsafe cost the server a wake-up through the loop's
-        self-pipe and a GIL hand-off per message (measured: a quarter of its CPU at c1). The
+        self-pipe and a GIL hand-off per message (measured: ~19% of its CPU a token at c1). The
         thread finishes the message it is in, then the loop takes the socket over (a ZeroMQ
         socket is used by one thread at a time)."""
         if self._loop is None:
