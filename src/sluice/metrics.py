@@ -345,3 +345,16 @@ class Metrics:
                     self.tenant_rate_limited.labels(self.model_name, self.tenant_label(tenant), limit).inc(n - seen)
                     self._refused_seen[(tenant, limit)] = n
         return generate_latest(self.registry)
+
+
+def step_hook(metrics: Metrics):
+    """The engine thread's per-step hook: engine gauges, and per-request latencies at finish."""
+    def on_step(engine, outputs, seconds):
+        metrics.observe_step(engine, outputs, seconds)
+        for out in outputs:
+            if out.finished and out.times is not None:
+                for c in out.outputs:
+                    metrics.observe_request(out.times.arrival, out.times.first_scheduled, out.times.first_token,
+                                            len(out.prompt_token_ids), len(c.token_ids), c.finish_reason,
+                                            out.tenant)
+    return on_step

@@ -15,8 +15,8 @@ import pytest
 
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.llm_engine import LLMEngine
-from sluice.entrypoints.openai.api_server import ServerConfig, build_app, observe
-from sluice.metrics import Metrics
+from sluice.entrypoints.openai.api_server import ServerConfig, build_app
+from sluice.metrics import Metrics, step_hook
 
 MODEL = "tiny-llama"
 
@@ -78,7 +78,7 @@ def start_engine(path: str, **kwargs) -> tuple[AsyncEngine, Metrics, dict]:
     engine = LLMEngine.from_kwargs(model=path, dtype="float32", **kwargs)
     metrics = Metrics(MODEL)
     stats = {"max_running": 0, "max_batch_requests": 0}
-    record = observe(metrics)
+    record = step_hook(metrics)
 
     def on_step(eng, outputs, seconds):
         stats["max_running"] = max(stats["max_running"], eng.scheduler.num_running)

@@ -285,10 +285,11 @@ def view_info(engine) -> dict:
 
 
 def core_main(engine_kwargs: dict, model_name: str, to_core: str, from_core: str, parent_pid: int,
-              log_level: str, observe: Callable, snapshot: Callable) -> None:
+              log_level: str) -> None:
     """The engine-core process: build the engine, then serve the server's commands until it
-    says stop or goes away. `observe` (api_server.observe) makes the per-step metrics hook,
-    `snapshot` (dashboard.snapshot) the dashboard's view."""
+    says stop or goes away. Nothing of the web server is imported here (its per-step
+    metrics hook and the dashboard's view live in modules of their own: ~0.7 s of every
+    core's start)."""
     # Ctrl-C at a terminal signals the whole process group: the server drains its streams
     # and then sends Stop, so the core ignores the signal instead of dying under the server
     # mid-shutdown (it goes by itself when the server does: the parent check below).
@@ -296,7 +297,8 @@ def core_main(engine_kwargs: dict, model_name: str, to_core: str, from_core: str
     logging.basicConfig(level=log_level, format="%(levelname)s core %(name)s: %(message)s")
     from sluice.engine.async_engine import AsyncEngine
     from sluice.engine.llm_engine import LLMEngine
-    from sluice.metrics import Metrics
+    from sluice.entrypoints.openai.dashboard_view import snapshot
+    from sluice.metrics import Metrics, step_hook
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.connect(from_core)
@@ -308,7 +310,7 @@ def core_main(engine_kwargs: dict, model_name: str, to_core: str, from_core: str
     def on_dead(error: BaseException) -> None:
         sender.send(Dead(ErrorInfo(type(error).__name__, str(error))))
 
-    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics), on_dead=on_dead)
+    engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=step_hook(metrics), on_dead=on_dead)
     try:
         engine.start()
     except BaseException as e:
@@ -438,8 +440,6 @@ class EngineCoreClient(EngineState):
     def start(self) -> None:
         """Start the core and return once its engine is built (or raise what building it
         raised)."""
-        from sluice.entrypoints.openai.api_server import observe
-        from sluice.entrypoints.openai.dashboard import snapshot
         self._dir = tempfile.mkdtemp(prefix="sluice-core-")
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -453,7 +453,7 @@ class EngineCoreClient(EngineState):
         self.process = multiprocessing.get_context("spawn").Process(
             target=core_main, name="sluice-engine-core",
             args=(self.engine_kwargs, self.model_name, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out",
-                  os.getpid(), self.log_level, observe, snapshot))
+                  os.getpid(), self.log_level))
         self.process.start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self._from_core.poll(200):

@@ -38,7 +38,7 @@ from sluice.entrypoints.openai.responses import ResponsesRequest, ResponsesServi
 from sluice.entrypoints.openai.serving import OpenAIServing, ServingLimits, api_error
 from sluice.entrypoints.openai.tenants import TenantSpec, key_salt
 from sluice.entrypoints.openai.weights import add_weight_routes
-from sluice.metrics import Metrics
+from sluice.metrics import Metrics, step_hook
 from sluice.request import MAX_SESSION_ID_CHARS
 
 logger = logging.getLogger(__name__)
@@ -409,19 +409,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> Fa
     return app
 
 
-def observe(metrics: Metrics):
-    """The engine thread's per-step hook: engine gauges, and per-request latencies at finish."""
-    def on_step(engine, outputs, seconds):
-        metrics.observe_step(engine, outputs, seconds)
-        for out in outputs:
-            if out.finished and out.times is not None:
-                for c in out.outputs:
-                    metrics.observe_request(out.times.arrival, out.times.first_scheduled, out.times.first_token,
-                                            len(out.prompt_token_ids), len(c.token_ids), c.finish_reason,
-                                            out.tenant)
-    return on_step
-
-
 def _server_class():
     import uvicorn
 
@@ -475,7 +462,7 @@ def serve(engine_kwargs: dict, config: ServerConfig, log_level: str = "info") ->
                                   log_level=logging.getLevelName(logging.getLogger().level))
     else:
         # The model loads in the engine thread, where it runs (see AsyncEngine).
-        engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics),
+        engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=step_hook(metrics),
                              on_dead=on_dead)
     engine.start()
     if config.engine_process:

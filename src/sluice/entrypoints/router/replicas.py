@@ -45,8 +45,8 @@ class Replica:
 
         from sluice.engine.async_engine import AsyncEngine
         from sluice.engine.llm_engine import LLMEngine
-        from sluice.entrypoints.openai.api_server import build_app, observe
-        from sluice.metrics import Metrics
+        from sluice.entrypoints.openai.api_server import build_app
+        from sluice.metrics import Metrics, step_hook
         # On the router's node, loopback only; elsewhere the node's address (the router's
         # API keys guard every replica too).
         node_ip = ray.util.get_node_ip_address()
@@ -57,7 +57,7 @@ class Replica:
         def on_dead(_error) -> None:  # the engine is gone for good: let Ray restart the process
             os._exit(1)
 
-        self.engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=observe(metrics),
+        self.engine = AsyncEngine(lambda: LLMEngine.from_kwargs(**engine_kwargs), on_step=step_hook(metrics),
                                   on_dead=on_dead)
         self.engine.start()
         app = build_app(self.engine, server_config, metrics)
