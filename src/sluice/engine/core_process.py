@@ -430,11 +430,10 @@ class EngineCoreClient(EngineState):
         self._closing = False
         self._dir: str | None = None
         # The output socket is read by a thread until the first request comes, then by
-        # that request's event loop (see _attach).
+        # that request's event loop (see _attach): _loop set asks the thread to hand it
+        # over, _handed says it has (from then on only the loop reads).
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._handover = False   # asked of the reader thread
-        self._handed = False     # done by it: the loop reads (or will once it runs _read_on_loop)
-        self._on_loop = False
+        self._handed = False
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -506,7 +505,7 @@ class EngineCoreClient(EngineState):
         reader = getattr(self, "_reader", None)
         if reader is not None and reader is not threading.current_thread():
             reader.join(5)
-        if self._on_loop and not self._loop.is_closed() and not self._loop.is_running():
+        if self._handed and not self._loop.is_closed() and not self._loop.is_running():
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._from_core.getsockopt(zmq.FD))
         for sock in (getattr(self, "_to_core", None),
@@ -656,13 +655,12 @@ class EngineCoreClient(EngineState):
         socket is used by one thread at a time)."""
         if self._loop is None:
             self._loop = loop
-            self._handover = True
 
     def _read(self) -> None:
         sock = self._from_core
         try:
             while not self._closing:
-                if self._handover:
+                if self._loop is not None:
                     self._handed = True
                     with contextlib.suppress(RuntimeError):  # a loop already closed: nobody to read for
                         self._loop.call_soon_threadsafe(self._read_on_loop)
@@ -676,7 +674,6 @@ class EngineCoreClient(EngineState):
     def _read_on_loop(self) -> None:
         if self._closing:
             return
-        self._on_loop = True
         self._loop.add_reader(self._from_core.getsockopt(zmq.FD), self._drain)
         self._drain()  # ZeroMQ's descriptor signals edges: what came before is read now
 
@@ -692,7 +689,7 @@ class EngineCoreClient(EngineState):
 
     def _call_on(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         """fn(*args) on `loop`: at once when this is that loop's thread reading, else handed over."""
-        if self._on_loop and loop is self._loop:
+        if self._handed and loop is self._loop:
             fn(*args)
         else:
             loop.call_soon_threadsafe(fn, *args)
