@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import enum
+import gc
 import time
 from dataclasses import dataclass
+from itertools import islice
 
 from sluice.sampling_params import SamplingParams
 
@@ -37,6 +39,36 @@ class Logprob:
     logprob: float
     rank: int                       # 1 = the most likely token
     decoded_token: str | None = None
+
+
+# A sampled token's logprobs as the runner reads them: (token ids, logprobs, rank of the
+# chosen token), the chosen token first, then the top k in rank order (ranks 1..k).
+LogprobRow = tuple[list[int], list[float], int]
+
+# A position's dict for a request that asks for thousands of logprobs makes that many
+# objects at once, and the cyclic collector, counting allocations, ran passes over the
+# whole heap during each build: half of its time at 49,152. None of these objects can be
+# in a cycle, so the collector waits while they are made.
+PAUSE_GC_FROM = 1024
+
+
+def logprob_dict(row: LogprobRow, texts: list[str]) -> dict[int, Logprob]:
+    """One position's {token id: Logprob}, texts[j] naming row's token j. The chosen
+    token's key comes first; where it is in the top k too, that entry (the same values)
+    is what it keeps."""
+    ids, lps, rank = row
+    out = {ids[0]: Logprob(lps[0], rank, texts[0])}
+    if len(ids) > 1:
+        pause = len(ids) > PAUSE_GC_FROM and gc.isenabled()
+        if pause:
+            gc.disable()
+        try:
+            out.update(zip(islice(ids, 1, None),
+                           map(Logprob, islice(lps, 1, None), range(1, len(ids)), islice(texts, 1, None))))
+        finally:
+            if pause:
+                gc.enable()
+    return out
 
 
 class Request:
@@ -78,7 +110,9 @@ class Request:
         # It ended on an EOS or stop token id, which is in its tokens but not its text.
         self.ended_by_token = False
         # Per output token: {token_id: Logprob} with the chosen token and the top-N.
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # One entry a sampled token: the runner's LogprobRow, made a {token id: Logprob} dict
+        # with its texts by the output processor in the step that sampled it.
+        self.logprobs: list[dict[int, Logprob] | LogprobRow] | None = [] if params.logprobs is not None else None
         # Per prompt position: {token_id: Logprob} with the prompt token and the top-N, stored
         # by position (the first has none), so a recomputed chunk cannot add entries twice.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (

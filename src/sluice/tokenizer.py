@@ -71,6 +71,13 @@ class Tokenizer:
             text = self._token_text[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """token_text of each id; the cache read in one pass where it has them all."""
+        texts = list(map(self._token_text.get, ids))
+        if None in texts:
+            texts = [t if t is not None else self.token_text(i) for i, t in zip(ids, texts)]
+        return texts
+
     def info(self, max_model_len: int) -> dict:
         """The tokenizer's configuration as vLLM's GET /tokenizer_info reports it (its
         tokenizer_config.json: the init arguments, the class, the chat template), with each

@@ -304,6 +304,23 @@ def test_logprobs_chosen_plus_top_n(tiny_llm):
         assert all(lp.logprob <= 0 and lp.decoded_token is not None for lp in entry.values())
 
 
+def test_logprobs_of_the_whole_vocabulary(tiny_llm):
+    """Past request.PAUSE_GC_FROM entries a position's dict is built with the cyclic
+    collector paused: the same entries, and the collector runs again after."""
+    import gc
+    tok = tiny_llm.engine.tokenizer
+    vocab = tok.vocab_size
+    params = SamplingParams(max_tokens=2, logprobs=vocab, temperature=1.0, seed=7, ignore_eos=True)
+    out = tiny_llm.generate([[50, 51]], params)[0].outputs[0]
+    assert gc.isenabled()
+    for tid, entry in zip(out.token_ids, out.logprobs):
+        assert len(entry) == vocab and next(iter(entry)) == tid  # the sampled token first
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
+        ordered = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert all(a.logprob >= b.logprob for a, b in zip(ordered, ordered[1:]))
+        assert all(lp.decoded_token == tok.token_text(t) for t, lp in entry.items())
+
+
 def test_max_tokens_length_and_usage(tiny_llm):
     out = tiny_llm.generate([[60, 61, 62, 63]], SamplingParams(max_tokens=7, **GREEDY))[0]
     assert out.outputs[0].finish_reason == "length"

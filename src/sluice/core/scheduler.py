@@ -82,7 +82,7 @@ from sluice.config import SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.latency_target import StepTimeModel
 from sluice.core.sessions import SessionTable, TenantCounters
-from sluice.request import Logprob, Request, RequestStatus
+from sluice.request import Logprob, LogprobRow, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
 
@@ -145,9 +145,9 @@ class StepPlan:
 @dataclass
 class SampledToken:
     token_id: int
-    # Present when the request asked for logprobs: (token_id, logprob, rank) with the
-    # chosen token first, then the top-N.
-    logprobs: list[tuple[int, float, int]] | None = None
+    # Present when the request asked for logprobs: the chosen token's and the top-N's
+    # (request.LogprobRow), made a dict by the output processor, which has their texts.
+    logprobs: LogprobRow | None = None
 
 
 @dataclass
@@ -804,7 +804,7 @@ class Scheduler:
         if req.held_grammar is not None and sampled.token_id == req.grammar_after:
             req.grammar, req.held_grammar = req.held_grammar, None  # the answer begins: so does its grammar
         if req.logprobs is not None and sampled.logprobs is not None:
-            req.logprobs.append({tid: Logprob(lp, rank) for tid, lp, rank in sampled.logprobs})
+            req.logprobs.append(sampled.logprobs)
 
     @staticmethod
     def _store_prompt_logprobs(req: Request, plp: PromptLogprobs) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from sluice.core.scheduler import Scheduler, StepUpdate
 from sluice.outputs import CompletionOutput, RequestOutput, RequestTimes
-from sluice.request import Request, RequestStatus
+from sluice.request import Request, RequestStatus, logprob_dict
 from sluice.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -116,8 +116,8 @@ class OutputProcessor:
             if last and req.is_finished() and not stopped_by_token:
                 state.text += state.detok.flush()
             if req.logprobs:
-                for tid, lp in req.logprobs[i].items():
-                    lp.decoded_token = self.tokenizer.token_text(tid)
+                row = req.logprobs[i]
+                req.logprobs[i] = logprob_dict(row, self.tokenizer.token_texts(row[0]))
             if not stops or stopped_by_token:
                 continue
             # A new match must end in the new text, so it starts at most len(stop) - 1 before it.

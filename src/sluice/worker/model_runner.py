@@ -15,6 +15,7 @@ import torch
 from sluice.backends.base import FlatBatch
 from sluice.config import CacheConfig
 from sluice.core.scheduler import PromptLogprobs, SampledToken, ScheduledRequest, StepPlan, StepResult
+from sluice.request import LogprobRow
 from sluice.structured.grammar import MaskFiller
 from sluice.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator, token_logprobs
 
@@ -26,6 +27,12 @@ class RunnerTimings:
     prepare: float = 0.0   # plan -> flat tensors
     forward: float = 0.0   # the model over the flat batch
     sample: float = 0.0    # LM head, sampling, the host sync
+
+
+def logprob_row(ids: list[int], lps: list[float], rank: int, k: int) -> LogprobRow:
+    """A sampled token's logprobs: ids[0] is that token, then the top k in order. Slices,
+    not a tuple an entry: a request may ask for the whole vocabulary at every position."""
+    return ids[:k + 1], lps[:k + 1], rank
 
 
 def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[tuple[int, float, int]]:
@@ -338,7 +345,7 @@ class ModelRunner:
             def token(e: ScheduledRequest, i: int) -> SampledToken:
                 lp = None
                 if e.params.logprobs is not None:
-                    lp = logprob_entry(lp_ids[i], lps[i], ranks[i], e.params.logprobs)
+                    lp = logprob_row(lp_ids[i], lps[i], ranks[i], e.params.logprobs)
                 return SampledToken(token_ids[i], lp)
 
             i = 0
