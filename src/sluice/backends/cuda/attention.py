@@ -174,11 +174,12 @@ def block_q_for(group: int, max_q: int) -> int:
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, query_start: torch.Tensor, tile_req: torch.Tensor,
                      tile_q0: torch.Tensor, block_q: int, scale: float, out: torch.Tensor | None = None,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_tile: int = 16) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]; the caches [Hkv, blocks, block_size, D]; the tiles from
     varlen_tiles(query_start, block_q). Rows past query_start[-1] (a padded batch) are
     left as `out` holds them (zeros when it is made here). window > 0: each query sees its
-    last `window` keys only (itself included)."""
+    last `window` keys only (itself included). key_tile: keys a program scores per loop
+    step, at least a block."""
     t, hq, d = q.shape
     hkv, _, bs, _ = k_cache.shape
     group = hq // hkv
@@ -192,7 +193,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), c.stride_kh, c.stride_kb,
                          c.stride_ks, block_tables.stride(0),
                          G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), BLOCK_Q=block_q, ROWS=rows, BLOCK_SIZE=bs,
-                         BLOCK_N=max(16, bs), IEEE=ieee_products(q.dtype), FP8=c.fp8, DATA0=c.data0)
+                         BLOCK_N=max(key_tile, bs), IEEE=ieee_products(q.dtype), FP8=c.fp8, DATA0=c.data0)
     return out
 
 
@@ -259,10 +260,11 @@ def _decode_merge_kernel(Mid, Lse, Out, stride_mt, stride_mh, stride_ms, stride_
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, splits: int, split_len: int, scale: float,
-                     out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int = 0, key_tile: int = 16) -> torch.Tensor:
     """One query token a request (q [B, Hq, D], row i is request i), its keys cut into
     `splits` ranges of `split_len` tokens (splits * split_len >= the longest seq_len; a
-    range past a request's length is empty and weighs nothing in the merge)."""
+    range past a request's length is empty and weighs nothing in the merge). key_tile as
+    in varlen_attention."""
     b, hq, d = q.shape
     hkv, _, bs, _ = k_cache.shape
     group = hq // hkv
@@ -274,7 +276,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, c.k, c.v, c.ks, c.vs, mid, lse, block_tables, seq_lens, scale, split_len, window,
         q.stride(0), q.stride(1), c.stride_kh, c.stride_kb, c.stride_ks, block_tables.stride(0),
         mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
-        G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), ROWS=_pow2(group, 16), BLOCK_SIZE=bs, BLOCK_N=max(16, bs),
+        G=group, HEAD_DIM=d, D_PAD=_pow2(d, 16), ROWS=_pow2(group, 16), BLOCK_SIZE=bs, BLOCK_N=max(key_tile, bs),
         IEEE=ieee_products(q.dtype), FP8=c.fp8, DATA0=c.data0)
     _decode_merge_kernel[(b, hq)](mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
                                   lse.stride(1), out.stride(0), out.stride(1), SPLITS=splits, S_PAD=_pow2(splits),

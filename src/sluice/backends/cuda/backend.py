@@ -41,6 +41,14 @@ SPLIT_K_MIN_TOKENS = 1024
 MAX_SPLITS = 16
 
 
+# Keys an attention program scores per loop step under the interpreter, 16 on a GPU: the
+# interpreter's cost is per op whatever a tile's size, so the engine's steps there take a
+# 60-token context in one step, not four (the CUDA engine tests: 82 -> 69 s on a Zen 3).
+# The kernel tests (tests/unit/test_triton_kernels.py) run the GPU's tile, several blocks
+# to a tile and a block past a tile included.
+INTERPRETER_KEY_TILE = 64
+
+
 def interpreted() -> bool:
     """Triton's kernels run under its interpreter, on CPU tensors (its own switch)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -93,19 +101,22 @@ class TritonOps(TorchOps):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
         from sluice.backends.cuda import attention
         plan: CudaAttentionPlan = meta.extra
+        tile = INTERPRETER_KEY_TILE if interpreted() else 16
         if plan.splits:
             n = meta.seq_lens.shape[0]
             out = torch.zeros_like(q)
             attention.decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.splits,
-                                       plan.split_len, scale, out=out[:n], window=window)
+                                       plan.split_len, scale, out=out[:n], window=window, key_tile=tile)
             return out
         out = torch.zeros_like(q)
         if plan.decode_req is not None:
             attention.varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       plan.decode_req, plan.decode_q0, 1, scale, out=out, window=window)
+                                       plan.decode_req, plan.decode_q0, 1, scale, out=out, window=window,
+                                       key_tile=tile)
         if plan.chunk_req is not None:
             attention.varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       plan.chunk_req, plan.chunk_q0, plan.block_q, scale, out=out, window=window)
+                                       plan.chunk_req, plan.chunk_q0, plan.block_q, scale, out=out, window=window,
+                                       key_tile=tile)
         return out
 
 
