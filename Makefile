@@ -23,7 +23,7 @@ TORCH_cuda := 'torch===2.13.0'
 # from uv, which resolves, downloads and unpacks in parallel: `.[test]` took pip 75 s on a
 # 2-core Zen 3, uv 8 s from a cold cache. No bytecode is written at install (pip's
 # --no-compile, uv's default): compiling all 17,600 files took 49 s, where the suite and
-# the server import ~4,500 of them, compiled once on first import (see `test`).
+# the server import ~4,500 of them, compiled once on first import (RUN, above).
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
 	# torch first, pinned ($(TORCH) build): an unpinned torch would pull a multi-GB CUDA build.

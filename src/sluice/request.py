@@ -109,9 +109,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # It ended on an EOS or stop token id, which is in its tokens but not its text.
         self.ended_by_token = False
-        # Per output token: {token_id: Logprob} with the chosen token and the top-N.
-        # One entry a sampled token: the runner's LogprobRow, made a {token id: Logprob} dict
-        # with its texts by the output processor in the step that sampled it.
+        # Per output token: {token_id: Logprob} with the chosen token and the top-N, made
+        # with their texts by the output processor from the runner's LogprobRow in the step
+        # that sampled it.
         self.logprobs: list[dict[int, Logprob] | LogprobRow] | None = [] if params.logprobs is not None else None
         # Per prompt position: {token_id: Logprob} with the prompt token and the top-N, stored
         # by position (the first has none), so a recomputed chunk cannot add entries twice.
