@@ -41,8 +41,9 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# A sampled token's logprobs as the runner reads them: (token ids, logprobs, rank of the
-# chosen token), the chosen token first, then the top k in rank order (ranks 1..k).
+# A scored token's logprobs as the runner reads them (a sampled token, or a prompt
+# token's next): (token ids, logprobs, rank of that token), the token first, then the top
+# k in rank order (ranks 1..k).
 LogprobRow = tuple[list[int], list[float], int]
 
 # A position's dict for a request that asks for thousands of logprobs makes that many
@@ -53,7 +54,7 @@ PAUSE_GC_FROM = 1024
 
 
 def logprob_dict(row: LogprobRow, texts: list[str]) -> dict[int, Logprob]:
-    """One position's {token id: Logprob}, texts[j] naming row's token j. The chosen
+    """One position's {token id: Logprob}, texts[j] naming row's token j. The scored
     token's key comes first; where it is in the top k too, that entry (the same values)
     is what it keeps."""
     ids, lps, rank = row
@@ -114,8 +115,9 @@ class Request:
         # that sampled it.
         self.logprobs: list[dict[int, Logprob] | LogprobRow] | None = [] if params.logprobs is not None else None
         # Per prompt position: {token_id: Logprob} with the prompt token and the top-N, stored
-        # by position (the first has none), so a recomputed chunk cannot add entries twice.
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+        # by position (the first has none), so a recomputed chunk cannot add entries twice;
+        # the runner's LogprobRow until the output processor makes it a dict.
+        self.prompt_logprobs: list[dict[int, Logprob] | LogprobRow | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         # Logits positions 0 .. num_prompt_logprobs - 1 have been scored (always a prefix).
         self.num_prompt_logprobs = 0

@@ -33,7 +33,7 @@ def fake_step(sched):
         if e.prompt_logprob_positions is not None:
             lo, hi = e.prompt_logprob_positions
             assert lo >= e.start_pos and hi <= e.start_pos + len(e.token_ids)
-            plps[e.request_id] = PromptLogprobs(lo, [[(e.prompt_token_ids[p + 1], -float(p), p)]
+            plps[e.request_id] = PromptLogprobs(lo, [([e.prompt_token_ids[p + 1]], [-float(p)], p)
                                                      for p in range(lo, hi)])
     result = StepResult({e.request_id: SampledToken(TOK) for e in plan.scheduled if e.needs_logits}, plps)
     sched.update(plan, result)
@@ -48,7 +48,8 @@ def test_chunks_score_each_position_once_and_the_last_token_samples():
     spans = [fake_step(sched).scheduled[0].prompt_logprob_positions for _ in range(4)]
     assert spans == [(0, 8), (8, 16), (16, 19), None]  # position 19 is the sampling row
     assert req.prompt_logprobs[0] is None
-    assert [e[prompt[p]].logprob for p, e in enumerate(req.prompt_logprobs) if p] == [-float(p) for p in range(19)]
+    # Stored by position as the runner's rows: (ids, logprobs, rank), the prompt token first.
+    assert [(e[0][0], e[1][0]) for e in req.prompt_logprobs[1:]] == [(prompt[p + 1], -float(p)) for p in range(19)]
     assert not req.needs_prompt_logprobs
 
 

@@ -82,7 +82,7 @@ from sluice.config import SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.latency_target import StepTimeModel
 from sluice.core.sessions import SessionTable, TenantCounters
-from sluice.request import Logprob, LogprobRow, Request, RequestStatus
+from sluice.request import LogprobRow, Request, RequestStatus
 from sluice.sampling_params import SamplingParams
 from sluice.spec.speculator import Speculator
 
@@ -152,10 +152,10 @@ class SampledToken:
 
 @dataclass
 class PromptLogprobs:
-    """Prompt logprobs from one step: entries[j] scores prompt token start + j + 1, as
-    (token_id, logprob, rank) with the prompt token first, then the top-N."""
+    """Prompt logprobs from one step: entries[j] scores prompt token start + j + 1, the
+    prompt token's and the top-N's (request.LogprobRow)."""
     start: int
-    entries: list[list[tuple[int, float, int]]]
+    entries: list[LogprobRow]
 
 
 @dataclass
@@ -810,7 +810,7 @@ class Scheduler:
     def _store_prompt_logprobs(req: Request, plp: PromptLogprobs) -> None:
         # By position: a chunk computed twice overwrites, never appends.
         for j, entry in enumerate(plp.entries):
-            req.prompt_logprobs[plp.start + j + 1] = {tid: Logprob(lp, rank) for tid, lp, rank in entry}
+            req.prompt_logprobs[plp.start + j + 1] = entry
         if plp.start <= req.num_prompt_logprobs:
             req.num_prompt_logprobs = max(req.num_prompt_logprobs, plp.start + len(plp.entries))
 

@@ -152,11 +152,11 @@ class OutputProcessor:
         src = next((r for r in reqs if r.prompt_logprobs is not None), None)
         if src is None:
             return None
-        for entry in src.prompt_logprobs:
-            for tid, lp in (entry or {}).items():
-                if lp.decoded_token is None:
-                    lp.decoded_token = self.tokenizer.token_text(tid)
-        out = list(src.prompt_logprobs)
+        entries = src.prompt_logprobs
+        for j, entry in enumerate(entries):
+            if isinstance(entry, tuple):  # the runner's LogprobRow, not yet made a dict
+                entries[j] = logprob_dict(entry, self.tokenizer.token_texts(entry[0]))
+        out = list(entries)
         if not src.needs_prompt_logprobs:
             parent.prompt_logprobs = out
         return out  # partial (None where not computed) only if aborted during the prompt

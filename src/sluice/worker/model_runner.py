@@ -30,15 +30,10 @@ class RunnerTimings:
 
 
 def logprob_row(ids: list[int], lps: list[float], rank: int, k: int) -> LogprobRow:
-    """A sampled token's logprobs: ids[0] is that token, then the top k in order. Slices,
-    not a tuple an entry: a request may ask for the whole vocabulary at every position."""
+    """A scored token's logprobs: ids[0] is that token (sampled, or the prompt's next),
+    then the top k in order. Slices, not a tuple an entry: a request may ask for the
+    whole vocabulary at every position."""
     return ids[:k + 1], lps[:k + 1], rank
-
-
-def logprob_entry(ids: list[int], lps: list[float], rank: int, k: int) -> list[tuple[int, float, int]]:
-    """One row of token_logprobs' output as (token id, logprob, rank): the scored token
-    first (ids[0] is that token), then the top k in order."""
-    return [(ids[0], lps[0], rank)] + [(ids[j], lps[j], j) for j in range(1, k + 1)]
 
 
 @dataclass
@@ -414,7 +409,7 @@ class ModelRunner:
         for rid, lo, count, kr in wanted:
             entries = []
             for row in range(i, i + count):
-                entries.append(logprob_entry(ids[row], lps[row], ranks[row], kr))
+                entries.append(logprob_row(ids[row], lps[row], ranks[row], kr))
             out[rid] = PromptLogprobs(lo, entries)
             i += count
         return out
