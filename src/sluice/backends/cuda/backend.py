@@ -66,6 +66,7 @@ class CudaAttentionPlan:
     splits: int = 0                      # > 0: a decode-only step through split-K
     split_len: int = 0
     decode_only: bool = False            # every request computes one token (a graph can run it)
+    key_tile: int = 16                   # keys a program scores per loop step (INTERPRETER_KEY_TILE)
 
 
 class TritonOps(TorchOps):
@@ -101,7 +102,7 @@ class TritonOps(TorchOps):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
         from sluice.backends.cuda import attention
         plan: CudaAttentionPlan = meta.extra
-        tile = INTERPRETER_KEY_TILE if interpreted() else 16
+        tile = plan.key_tile
         if plan.splits:
             n = meta.seq_lens.shape[0]
             out = torch.zeros_like(q)
@@ -368,7 +369,8 @@ class CudaBackend(Backend):
 
         q_lens = [qs[i + 1] - qs[i] for i in range(n)]
         longest = max(seq_lens)
-        plan = CudaAttentionPlan(None, None, None, None, 1, decode_only=max(q_lens) == 1)
+        plan = CudaAttentionPlan(None, None, None, None, 1, decode_only=max(q_lens) == 1,
+                                 key_tile=INTERPRETER_KEY_TILE if interpreted() else 16)
         if plan.decode_only and longest > SPLIT_K_MIN_TOKENS:
             plan.splits = min(MAX_SPLITS, -(-longest // SPLIT_K_MIN_TOKENS))
             plan.split_len = -(-longest // plan.splits)
