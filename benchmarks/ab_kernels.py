@@ -1,6 +1,7 @@
 """Two builds of the C++ kernels side by side in one engine: the working tree's and a git
 revision's (`--base`), swapped every engine step on the served c32 workload (64 requests
-of ~210-token prompts and 128 output tokens, greedy, at most 32 running). Step times are
+of ~210-token prompts and 128 output tokens, greedy, at most 32 running; `--max-num-seqs 1`
+for one stream's decode). Step times are
 kept per build and per kind of step (decode-only, or with prompt chunks); because the
 builds alternate step by step they see the same spells of this shared machine, which
 separate runs minutes apart do not.
@@ -56,8 +57,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (1: one stream's decode)")
     args = ap.parse_args()
-    engine = LLMEngine.from_kwargs(max_num_seqs=32, **json.loads(args.options))
+    engine = LLMEngine.from_kwargs(max_num_seqs=args.max_num_seqs, **json.loads(args.options))
     model = engine.runner.model
     if getattr(model, "fast_forward", None) is None:
         raise SystemExit("these engine options do not run the decoder stack; nothing to compare")
@@ -83,6 +85,10 @@ def main() -> None:
         return result
 
     engine.runner.execute = timed
+
+    def median(values: list) -> float:  # nan before a build has run a step of that kind
+        return statistics.median(values) if values else float("nan")
+
     for r in range(args.rounds):
         for j, prompt in enumerate(make_prompts(engine.tokenizer, args.requests, 200, 220, seed=100 + r)):
             engine.add_request(f"r{r}_{j}", prompt,
@@ -92,10 +98,10 @@ def main() -> None:
             engine.step()
         tok_s = args.requests * args.output_len / (time.perf_counter() - t0)
         print(f"round {r}: {tok_s:.1f} tok/s (both builds); step medians so far: " + "; ".join(
-            f"{b} decode {statistics.median(times[(b, 'decode')]):.2f} ms, mixed "
-            f"{statistics.median(times[(b, 'mixed')]):.2f} ms" for b in names), flush=True)
+            f"{b} decode {median(times[(b, 'decode')]):.2f} ms, mixed "
+            f"{median(times[(b, 'mixed')]):.2f} ms" for b in names), flush=True)
     for kind in ("decode", "mixed"):
-        a, b = (statistics.median(times[(n, kind)]) for n in names)
+        a, b = (median(times[(n, kind)]) for n in names)
         print(f"{kind}: {names[0]} {a:.2f} ms ({len(times[(names[0], kind)])} steps), {names[1]} {b:.2f} ms "
               f"({len(times[(names[1], kind)])} steps), ratio {a / b:.3f}")
 

@@ -424,9 +424,11 @@ def main() -> int:
             print(f"| {k} | {v:.2f} | {100 * v / w['wall_s']:.0f}% |")
     if serve_rows:
         print("\n| concurrency | served ITL p50 | offline step | the server's ms per token |\n|---|---|---|---|")
+        def ms(v) -> str:  # no offline step at a concurrency --batches left out
+            return "–" if v is None else f"{v:.2f}"
         for r in serve_rows:
-            print(f"| {r['concurrency']} | {r['itl_p50_ms']:.2f} | {r['offline_step_ms']:.2f} | "
-                  f"{r['server_ms_per_token']:.2f} |")
+            print(f"| {r['concurrency']} | {ms(r['itl_p50_ms'])} | {ms(r['offline_step_ms'])} | "
+                  f"{ms(r['server_ms_per_token'])} |")
     if args.json:
         args.json.write_text(json.dumps({"info": info, "offline": rows, "served": serve_rows,
                                          "date": time.strftime("%Y-%m-%d")}, indent=1))
