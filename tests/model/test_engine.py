@@ -640,22 +640,30 @@ def test_int8_kv_cache_in_deterministic_mode(tiny_checkpoint, kernel_isa):
 
 def test_greedy_fast_path_picks_the_heads_own_argmax(tiny_checkpoint, kernel_isa):
     """bf16 with our kernels: greedy steps without logprobs take the LM head's argmax from
-    int8 logits rescored exactly (the backend's greedy_tokens); the tokens are those of the
-    full head, and steps that need the logits themselves (logprobs, sampling) still get them."""
+    int8 logits rescored exactly (the backend's greedy_tokens), without building sampling
+    metadata; the tokens are those of the full head, and steps that need the logits
+    themselves (logprobs, sampling, penalties, biased, allowed or banned tokens) still get them."""
     llm = LLM(cpu_isa=kernel_isa, model=str(tiny_checkpoint("llama")), dtype="bfloat16", num_blocks=256)
-    model = llm.engine.runner.model
+    model, runner = llm.engine.runner.model, llm.engine.runner
     assert model.greedy_head is not None
-    calls = []
+    calls, metas = [], []
     fast = model.greedy_head
     model.greedy_head = lambda h, grammar=None: calls.append(h.shape[0]) or fast(h, grammar)
+    sampling_metadata = runner._sampling_metadata
+    runner._sampling_metadata = lambda *a, **k: metas.append(1) or sampling_metadata(*a, **k)
     prompts = prompts_of_lengths(llm.tokenizer, [5, 17, 40, 63, 100, 9, 30, 12, 3, 50, 70], seed=4)
     params = SamplingParams(max_tokens=24, **GREEDY)
     with_fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert calls and max(calls) > 8  # batches past the int8 head's 8 rows took it too
+    assert not metas
     calls.clear()
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, logprobs=2, **GREEDY))
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
-    assert not calls
+    stop = with_fast[0][1]
+    for other in (dict(logprobs=2), dict(temperature=0.8, seed=1), dict(repetition_penalty=1.3),
+                  dict(logit_bias={stop: 1.0}), dict(allowed_token_ids=[stop, stop + 1]),
+                  dict(min_tokens=4, stop_token_ids=[stop])):  # banned until the 4th
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, **{**GREEDY, **other}))
+        assert not calls, other
+    assert len(metas) >= 6 * 4
     model.greedy_head = None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_fast
     assert_all_blocks_free(llm)

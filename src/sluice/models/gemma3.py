@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 
 from sluice.distributed.parallel import SINGLE, TPShard
-from sluice.models.llama import (MLP, Attention, LlamaArch, LlamaForCausalLM, RMSNorm, WeightSlot, rope_cos_sin,
+from sluice.models.llama import (MLP, Attention, LlamaArch, LlamaForCausalLM, RMSNorm, RopeRows, WeightSlot, rope_cos_sin,
                                  rope_inv_freq)
 
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -96,6 +96,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local = dataclasses.replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=None)
         self.register_buffer("local_inv_freq", rope_inv_freq(local), persistent=False)
         self.local_rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.local_rope_rows = RopeRows()
 
     def _apply(self, fn, recurse=True):
         """As nn.Module's (.to(dtype) and the like), the norms' 1 + w then back in float32:
@@ -123,7 +124,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # The scale rounded to the weights' dtype first, as Gemma's own code does.
         x = emb * torch.tensor(self.arch.embed_scale, dtype=emb.dtype)
         full = self.rope(positions, x.dtype)
-        local = rope_cos_sin(positions, x.dtype, self.local_inv_freq, self.local_rope_table)
+        local_table = self.local_rope_table or self.local_rope_rows.rows(positions, x.dtype, self.local_inv_freq)
+        local = rope_cos_sin(positions, x.dtype, self.local_inv_freq, local_table)
         layers, norm = self.model.layers, self.model.norm
         h, residual = layers[0].input_layernorm(x), x
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):

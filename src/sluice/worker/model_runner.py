@@ -64,6 +64,17 @@ class Launched:
         return rows
 
 
+def _only_argmax(entries: list[ScheduledRequest]) -> bool:
+    """Whether every row's token is the argmax of its logits (a grammar's mask apart): greedy,
+    no logprobs, penalties, logit bias, allowed or banned tokens."""
+    for e in entries:
+        p = e.params
+        if (p.temperature != 0 or p.logprobs is not None or p.has_penalties or p.logit_bias
+                or p.allowed_token_ids is not None or e.banned_token_ids):
+            return False
+    return True
+
+
 def _last_rows(plan: StepPlan) -> list[int]:
     """Each entry's row of its last non-draft token in the flat batch."""
     rows, end = [], 0
@@ -312,15 +323,15 @@ class ModelRunner:
             # logits_rows is padded as the batch is (backend.padded_rows); extra rows repeat the first.
             rows = hidden.index_select(0, logits_rows)
             n_rows = len(row_entries)
-            meta = self._sampling_metadata(row_entries, grammar, offsets)
             greedy = None
-            if (meta.all_greedy and meta.max_num_logprobs < 0 and meta.banned is None
-                    and meta.repetition_penalty is None and meta.logit_bias is None and meta.allowed is None):
-                # Only the argmax is wanted: the backend's fast path for it, where it has one.
-                greedy = self.backend.greedy_tokens(self.model, rows, meta.grammar)
+            if _only_argmax(row_entries):
+                # Only the argmax is wanted: the backend's fast path for it, where it has one
+                # (no sampling metadata to build: ~0.1 ms of a one-row CPU step).
+                greedy = self.backend.greedy_tokens(self.model, rows, grammar)
             if greedy is not None:
                 launched.out = SamplerOutput(greedy[:n_rows], None, None, None)
             else:
+                meta = self._sampling_metadata(row_entries, grammar, offsets)
                 launched.out = self.sampler(self.model.compute_logits(rows)[:n_rows], meta)
         launched.prompt_logprobs = self._prompt_logprobs(plan, hidden)
         return launched
