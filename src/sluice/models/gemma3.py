@@ -21,8 +21,8 @@ from typing import Iterable
 import torch
 
 from sluice.distributed.parallel import SINGLE, TPShard
-from sluice.models.llama import (MLP, Attention, LlamaArch, LlamaForCausalLM, RMSNorm, RopeRows, WeightSlot, rope_cos_sin,
-                                 rope_inv_freq)
+from sluice.models.llama import (MLP, Attention, LlamaArch, LlamaForCausalLM, RMSNorm, RopeRows, WeightSlot,
+                                 rope_cos_sin, rope_inv_freq)
 
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
