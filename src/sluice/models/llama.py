@@ -223,8 +223,11 @@ class RopeRows:
     (~0.2 ms of a ~8 ms one-row decode step on a Zen 3), the gather two. Grown by doubling
     as later positions come, up to `max_bytes` a table (cos or sin); a step with a
     position beyond that computes its own (rope_cos_sin). A row is the same bits either
-    way: every op is elementwise on the same inputs. Not on a GPU, where finding the
-    step's last position would wait for the device."""
+    way where every element goes through torch's vectorized cos and sin (a head_dim that
+    is a multiple of 32, as 64, 128 and 256 are); otherwise a step's last few elements
+    took the scalar path, whose rounding may differ by the batch's size, and the table
+    gives each position one answer. Not on a GPU, where finding the step's last position
+    would wait for the device."""
 
     def __init__(self, max_bytes: int = 4 << 20):
         self.max_bytes = max_bytes
