@@ -10,6 +10,7 @@ from sluice import LLM, SamplingParams
 from sluice.metrics import Metrics
 from tests.conftest import assert_all_blocks_free
 from tests.model.test_vs_transformers import PROMPTS, hf_greedy
+from tests.unit.test_detokenizer import TEXTS, stream_and_windows_agree
 
 LONG = " ".join(f"Item {i} is a {('red', 'green', 'blue')[i % 3]} ball." for i in range(70))
 
@@ -104,6 +105,13 @@ def test_gemma3_270m_chat(gemma3_llm):
                           SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.prompt_token_ids[:3] == [2, 105, 2364]  # <bos><start_of_turn>user: one BOS
     assert out.outputs[0].token_ids and out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_gemma3_detokenizes_through_the_decode_stream(gemma3_llm):
+    """Gemma's tokenizer (SentencePiece pieces with byte fallback, a decoder that strips
+    the first space) through tokenizers' DecodeStream: the same text a token as windows
+    decoded through transformers."""
+    assert stream_and_windows_agree(gemma3_llm.tokenizer, TEXTS + [LONG[:300]], seed=1) == 2 * (len(TEXTS) + 81)
 
 
 def test_tiny_gemma3_sliding_groups_under_prefix_cache_sessions_speculation_and_preemption(tiny_checkpoint):
