@@ -178,6 +178,14 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def only_argmax(self) -> bool:
+        """Whether the token is the argmax of the logits (a grammar's mask and the step's
+        banned ids apart): greedy, without logprobs, penalties, logit bias or allowed tokens.
+        The runner then takes the backend's greedy path without building sampling metadata."""
+        return (self.temperature == 0 and self.logprobs is None and not self.has_penalties
+                and not self.logit_bias and self.allowed_token_ids is None)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

@@ -64,17 +64,6 @@ class Launched:
         return rows
 
 
-def _only_argmax(entries: list[ScheduledRequest]) -> bool:
-    """Whether every row's token is the argmax of its logits (a grammar's mask apart): greedy,
-    no logprobs, penalties, logit bias, allowed or banned tokens."""
-    for e in entries:
-        p = e.params
-        if (p.temperature != 0 or p.logprobs is not None or p.has_penalties or p.logit_bias
-                or p.allowed_token_ids is not None or e.banned_token_ids):
-            return False
-    return True
-
-
 def _last_rows(plan: StepPlan) -> list[int]:
     """Each entry's row of its last non-draft token in the flat batch."""
     rows, end = [], 0
@@ -324,7 +313,7 @@ class ModelRunner:
             rows = hidden.index_select(0, logits_rows)
             n_rows = len(row_entries)
             greedy = None
-            if _only_argmax(row_entries):
+            if all(e.params.only_argmax and not e.banned_token_ids for e in row_entries):
                 # Only the argmax is wanted: the backend's fast path for it, where it has one
                 # (no sampling metadata to build: ~0.1 ms of a one-row CPU step).
                 greedy = self.backend.greedy_tokens(self.model, rows, grammar)

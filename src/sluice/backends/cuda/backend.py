@@ -145,6 +145,9 @@ class CudaBackend(Backend):
     _graph_sizes: list = field(default_factory=list, init=False, repr=False)
     # bf16 layers that run the GEMV at some row counts (the calibration's choice).
     _gemv_layers: int = field(default=0, init=False, repr=False)
+    # Keys an attention program scores per loop step: the GPU's 16, or the interpreter's
+    # (INTERPRETER_KEY_TILE), decided once.
+    key_tile: int = field(default_factory=lambda: INTERPRETER_KEY_TILE if interpreted() else 16, init=False)
 
     family = "cuda"
     # A GPU runs a 2,048-token step in one go.
@@ -369,8 +372,7 @@ class CudaBackend(Backend):
 
         q_lens = [qs[i + 1] - qs[i] for i in range(n)]
         longest = max(seq_lens)
-        plan = CudaAttentionPlan(None, None, None, None, 1, decode_only=max(q_lens) == 1,
-                                 key_tile=INTERPRETER_KEY_TILE if interpreted() else 16)
+        plan = CudaAttentionPlan(None, None, None, None, 1, decode_only=max(q_lens) == 1, key_tile=self.key_tile)
         if plan.decode_only and longest > SPLIT_K_MIN_TOKENS:
             plan.splits = min(MAX_SPLITS, -(-longest // SPLIT_K_MIN_TOKENS))
             plan.split_len = -(-longest // plan.splits)
