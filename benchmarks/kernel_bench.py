@@ -1,7 +1,7 @@
 """Timings of the C++ kernels alone, at the default model's shapes (SmolLM2-135M: hidden
 576, 9 heads / 3 kv heads of 64, MLP 1,536, vocabulary 49,152), on random weights.
 
-    python benchmarks/kernel_bench.py [--attention-only] [--isa avx512|avx2_vnni|avx2]
+    python benchmarks/kernel_bench.py [--attention-only] [--isa avx512|avx512_vnni|avx2_vnni|avx2]
 
 Linear: the 120 linear layers of a forward pass with 30 distinct sets of weights (so that
 they stream from memory as the model's do), bf16 and int8, w8a8 (int8 activations too), w4a8 (4-bit weights,

@@ -395,7 +395,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quantization", default="auto", help="auto (the default), none, int8, w8a8, w4a8, gguf")
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--cpu-isa", default="auto", help="kernel build: auto (the CPU's best), avx512, avx2_vnni, avx2")
+    ap.add_argument("--cpu-isa", default="auto", help="kernel build: auto (the CPU's best), avx512, avx512_vnni, avx2_vnni, avx2")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--served", type=concurrencies, default=[1, 32],
                     help="concurrencies to serve at, comma-separated ('' for none)")

@@ -48,7 +48,7 @@ class ModelConfig:
     # on the device from its config alone (to measure speed; vLLM's --load-format dummy).
     load_format: str = "auto"
     # Which build of sluice's CPU kernels runs: "auto" (the best this CPU executes),
-    # "avx512", "avx2_vnni" or "avx2" (force a lower build, e.g. to test it on an AVX-512
+    # "avx512", "avx512_vnni", "avx2_vnni" or "avx2" (force a lower build, e.g. to test it on an AVX-512
     # machine) or "generic" (none: torch's own ops). backends/platform.py.
     cpu_isa: str = "auto"
 

@@ -1,11 +1,12 @@
-"""The kernel builds per ISA: the AVX2 builds (avx2_vnni, avx2) compute what the AVX-512
-one does, bit for bit.
+"""The kernel builds per ISA: the lower builds (avx512_vnni, avx2_vnni, avx2) compute what
+the best AVX-512 one does, bit for bit.
 
 Every build compiles the same sources (backends/cpu/x86; avx2/avx512_on_avx2.h maps the
-AVX-512 intrinsics onto AVX2), so every op must give the same bits on the same inputs.
-Runs for each lower build the CPU executes beside the AVX-512 one (avx2 on a Zen 4, both
-on a Sapphire Rapids); an AVX2-only machine runs its builds through every other kernel
-test instead.
+AVX-512 intrinsics onto AVX2, avx512/bf16_on_avx512.h BF16's onto AVX-512 F/BW), so every
+op must give the same bits on the same inputs. Runs for each lower build the CPU executes
+beside its best AVX-512 one (avx512_vnni and avx2 beside avx512 on a Zen 4, avx2 beside
+avx512_vnni on an Ice Lake); an AVX2-only machine runs its builds through every other
+kernel test instead.
 """
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from sluice.quantization.int8 import quantize_per_channel
 from sluice.quantization.w4a8 import quantize_4bit
 from sluice.backends.cpu import x86 as kernels
 from sluice.lora.slots import output_blocks
-from tests.conftest import LOWER_ISAS as LOWER
+from tests.conftest import ALL_KERNEL_ISAS, LOWER_ISAS as LOWER
 
-pytestmark = pytest.mark.skipif(not LOWER, reason="needs a CPU that runs the AVX-512 build and an AVX2 one")
+pytestmark = pytest.mark.skipif(not LOWER, reason="needs a CPU that runs an AVX-512 build and a lower one")
 
 
 @pytest.fixture(scope="module", params=LOWER or [None])
 def builds(request):
-    both = kernels.load("avx512"), kernels.load(request.param)
+    both = kernels.load(ALL_KERNEL_ISAS[0]), kernels.load(request.param)
     if None in both:
         pytest.skip("a kernel build failed here (see the log)")
     return both

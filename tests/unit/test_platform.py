@@ -36,11 +36,12 @@ def as_cpu(monkeypatch):
 
 
 def test_kernel_builds_each_cpu_runs():
-    assert ZEN4.isas == ("avx512", "avx2", "generic")
-    assert ZEN3.isas == ICELAKE.isas == ("avx2", "generic")
+    assert ZEN4.isas == ("avx512", "avx512_vnni", "avx2", "generic")
+    assert ICELAKE.isas == ("avx512_vnni", "avx2", "generic") and ICELAKE.resolve_isa("auto") == "avx512_vnni"
+    assert ZEN3.isas == ("avx2", "generic")
     assert OLD.isas == ("generic",)
     assert ALDERLAKE.isas == ("avx2_vnni", "avx2", "generic")
-    assert SPR.isas == ("avx512", "avx2_vnni", "avx2", "generic")
+    assert SPR.isas == ("avx512", "avx512_vnni", "avx2_vnni", "avx2", "generic")
     assert ALDERLAKE.resolve_isa("auto") == "avx2_vnni" and SPR.resolve_isa("avx2_vnni") == "avx2_vnni"
     info = platform.cpu()
     assert info.isas[-1] == "generic" and info.describe()
@@ -53,9 +54,12 @@ def test_a_build_the_cpu_cannot_run_is_refused_in_one_line():
                                          r"lacks; what runs here: avx2, generic$"):
         ZEN3.resolve_isa("avx512")
     with pytest.raises(ValueError, match=r"^cpu_isa='avx2_vnni' needs avx_vnni, which AMD EPYC 9B14 .* lacks; "
-                                         r"what runs here: avx512, avx2, generic$"):
+                                         r"what runs here: avx512, avx512_vnni, avx2, generic$"):
         ZEN4.resolve_isa("avx2_vnni")
-    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512, avx2_vnni, avx2, generic"):
+    with pytest.raises(ValueError, match=r"^cpu_isa='avx512' needs avx512_bf16, which Intel Xeon Platinum 8375C .* "
+                                         r"lacks; what runs here: avx512_vnni, avx2, generic$"):
+        ICELAKE.resolve_isa("avx512")
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512, avx512_vnni, avx2_vnni, avx2, generic"):
         ZEN4.resolve_isa("sse4")
 
 
@@ -63,6 +67,7 @@ def test_variant_flags_name_the_target_not_the_build_machine():
     from sluice.backends.cpu.x86 import VARIANTS
     assert VARIANTS["avx512"][0] == "-march=x86-64-v4" and VARIANTS["avx2"][0] == "-march=x86-64-v3"
     assert VARIANTS["avx2_vnni"][:2] == ("-march=x86-64-v3", "-mavxvnni")
+    assert VARIANTS["avx512_vnni"] == ("-march=x86-64-v4", "-mavx512vnni")  # and no -mavx512bf16
     assert not any("native" in f for flags in VARIANTS.values() for f in flags)
 
 
@@ -241,11 +246,29 @@ def test_avx2_builds_hold_no_avx512_instruction(kernel_isa):
     unless told {vex}, which would fault on an Alder Lake)."""
     import shutil
     from sluice.backends.cpu import x86 as kernels
-    if kernel_isa == "avx512":
-        pytest.skip("the AVX-512 build is meant to hold AVX-512 instructions")
+    if kernel_isa.startswith("avx512"):
+        pytest.skip("the AVX-512 builds are meant to hold AVX-512 instructions")
     if shutil.which("objdump") is None:
         pytest.skip("needs objdump (binutils) to read the build")
     bad = _evex_instructions(kernels.load(kernel_isa).__file__)
+    assert not bad, bad[:5]
+
+
+@pytest.mark.requires("kernels")
+def test_the_avx512_vnni_build_holds_no_bf16_instruction():
+    """The avx512_vnni build runs on AVX-512 CPUs without BF16 (Ice Lake): nothing in it may
+    be one of BF16's instructions, which would fault there, however rarely its path runs."""
+    import shutil
+    from sluice.backends.cpu import x86 as kernels
+    from tests.conftest import ALL_KERNEL_ISAS
+    if "avx512_vnni" not in ALL_KERNEL_ISAS:
+        pytest.skip(f"{platform.cpu().describe()} does not run the avx512_vnni build")
+    if shutil.which("objdump") is None:
+        pytest.skip("needs objdump (binutils) to read the build")
+    out = subprocess.run(["objdump", "-d", kernels.load("avx512_vnni").__file__], capture_output=True, text=True,
+                         check=True).stdout
+    assert "vpdpbusd" in out  # VNNI's, from our kernels: the disassembly is the build's
+    bad = [line for line in out.splitlines() if re.search(r"\tv(dpbf16ps|cvtneps2bf16|cvtne2ps2bf16)\b", line)]
     assert not bad, bad[:5]
 
 

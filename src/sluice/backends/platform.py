@@ -2,7 +2,8 @@
 
 `cpu()` reads /proc/cpuinfo once. `CpuInfo.isas` lists the kernel variants this CPU can
 execute, best first: "avx512" (AVX-512 F/BW/DQ/VL with BF16 and VNNI: Zen 4, Sapphire
-Rapids), "avx2_vnni" (AVX2 with AVX-VNNI: Intel's Alder Lake and later cores without
+Rapids), "avx512_vnni" (the same without BF16, whose three instructions the build writes
+in others: Cascade Lake, Ice Lake), "avx2_vnni" (AVX2 with AVX-VNNI: Intel's Alder Lake and later cores without
 AVX-512), "avx2" (AVX2 + FMA + F16C: Haswell and Zen 1 on) and "generic" (torch's own
 ops, any CPU). `resolve_isa()` turns the `cpu_isa` setting into one of them, refusing a
 variant this CPU cannot execute; forcing a lower one ("avx2" on a Zen 4) runs and tests
@@ -20,11 +21,12 @@ _FEATURES = ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "avx512f", "
              "avx512dq", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_bf16")
 
 # What each kernel variant's build needs of the CPU (backends/cpu/x86 VARIANTS: x86-64-v4
-# plus BF16 and VNNI; x86-64-v3, whose LZCNT /proc/cpuinfo calls "abm", with AVX-VNNI or
+# plus VNNI, with BF16 or without; x86-64-v3, whose LZCNT /proc/cpuinfo calls "abm", with AVX-VNNI or
 # without).
 _X86_64_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")
 ISA_NEEDS: dict[str, tuple[str, ...]] = {
     "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+    "avx512_vnni": ("avx512f", "avx512bw", "avx512cd", "avx512vl", "avx512dq", "avx512_vnni"),
     "avx2_vnni": (*_X86_64_V3, "avx_vnni"),
     "avx2": _X86_64_V3,
     "generic": (),

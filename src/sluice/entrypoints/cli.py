@@ -70,8 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse cached KV blocks of repeated prompt prefixes")
     g.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS),
-                   help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx2_vnni or "
-                        "avx2 force a lower build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
+                   help="build of sluice's CPU kernels to run: auto = the best this CPU executes; avx512_vnni, "
+                        "avx2_vnni or avx2 force a lower build (e.g. on an AVX-512 machine); generic = none, torch's own ops")
     g.add_argument("--scheduling-policy", default="auto", choices=list(SCHEDULING_POLICIES),
                    help="who is admitted and preempted first: fcfs (arrival); priority (the request's priority, "
                         "lower first); program (the session whose calls have had the least service first, "

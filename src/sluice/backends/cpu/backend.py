@@ -3,7 +3,7 @@ torch's own ops runs each op, decided once from the CPU's features (backends/pla
 the `cpu_isa` setting, the dtype, the quantization scheme, the KV-cache dtype and
 deterministic mode, and logged as one plan line:
 
-- the kernel build ("avx512", "avx2_vnni", "avx2") or none ("generic": torch's ops);
+- the kernel build ("avx512", "avx512_vnni", "avx2_vnni", "avx2") or none ("generic": torch's ops);
 - the linear method (LINEAR_METHODS; backends/cpu/linear.py implements them, the
   quantization schemes pack into them);
 - attention for prompt chunks and decodes, per KV dtype (backends/cpu/ops.py);
@@ -237,7 +237,7 @@ def _weight_holders(model) -> list:
 @dataclass
 class CpuBackend(Backend):
     device: torch.device
-    # The kernel build that runs ("avx512", "avx2_vnni", "avx2"), or "generic" (torch's own ops).
+    # The kernel build that runs ("avx512", "avx512_vnni", "avx2_vnni", "avx2"), or "generic" (torch's own ops).
     isa: str
     # The loaded kernel module of `isa`, or None.
     kernels: object | None

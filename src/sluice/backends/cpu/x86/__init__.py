@@ -1,8 +1,9 @@
 """sluice's C++ CPU kernels: one build per instruction set, compiled on first use.
 
 The sources in this folder are written once, in AVX-512 intrinsics, and built per ISA
-variant (VARIANTS): natively for AVX-512 with BF16 and VNNI, and for AVX2 + FMA + F16C,
-with AVX-VNNI or without, through avx2/avx512_on_avx2.h. Flags name the target
+variant (VARIANTS): natively for AVX-512 with BF16 and VNNI; for AVX-512 with VNNI but
+no BF16 through avx512/bf16_on_avx512.h; and for AVX2 + FMA + F16C, with AVX-VNNI or
+without, through avx2/avx512_on_avx2.h. Flags name the target
 (x86-64-v4, x86-64-v3), never the build machine (-march=native), so a build is right for
 every CPU of its variant.
 
@@ -41,8 +42,12 @@ _DIR = Path(__file__).resolve().parent
 # avx2_vnni is the AVX2 build plus AVX-VNNI's 256-bit vpdpbusd (Intel's AVX2 cores since
 # Alder Lake and Sierra Forest, which have no AVX-512): the int8 dot products of w8a8 and
 # of the int8 KV cache take one instruction per 32 byte products instead of four.
+# avx512_vnni is the AVX-512 build without BF16 (Intel's Cascade Lake, Ice Lake, Tiger
+# and Rocket Lake): vdpbf16ps and the bf16 conversions in a few AVX-512 instructions each,
+# everything else as the avx512 build runs it.
 VARIANTS: dict[str, tuple[str, ...]] = {
     "avx512": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    "avx512_vnni": ("-march=x86-64-v4", "-mavx512vnni"),
     "avx2_vnni": ("-march=x86-64-v3", "-mavxvnni", "-DSLUICE_AVX2", "-DSLUICE_AVX_VNNI"),
     "avx2": ("-march=x86-64-v3", "-DSLUICE_AVX2"),
 }
@@ -250,7 +255,7 @@ def _build_lock(build_dir: Path):
 
 @functools.lru_cache(maxsize=None)
 def load(variant: str | None = None):
-    """The kernels of `variant` ("avx512", "avx2_vnni", "avx2"), by default the best this CPU runs;
+    """The kernels of `variant` ("avx512", "avx512_vnni", "avx2_vnni", "avx2"), by default the best this CPU runs;
     None where there is none or the build failed (logged)."""
     if variant is None:  # one cached load per variant, however it was asked for
         from sluice.backends.platform import cpu

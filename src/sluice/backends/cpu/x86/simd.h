@@ -2,9 +2,10 @@
 // 16-lane exp, and the weight-panel prefetch of the linear kernels.
 //
 // The kernels are written in AVX-512 intrinsics and built once per ISA (backends/cpu/x86/
-// __init__.py): natively for AVX-512 with BF16 and VNNI, and for AVX2 + FMA + F16C with
-// SLUICE_AVX2 defined, where avx2/avx512_on_avx2.h provides those intrinsics on 256-bit
-// halves. This header is the one place that tells the two builds apart.
+// __init__.py): natively for AVX-512 with BF16 and VNNI; for AVX-512 with VNNI alone,
+// where avx512/bf16_on_avx512.h provides BF16's three instructions; and for AVX2 + FMA +
+// F16C with SLUICE_AVX2 defined, where avx2/avx512_on_avx2.h provides every one on
+// 256-bit halves. This header is the one place that tells the builds apart.
 #pragma once
 
 #include "aten.h"
@@ -22,8 +23,10 @@
 #include "avx2/avx512_on_avx2.h"
 #elif defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include "avx512/bf16_on_avx512.h"
 #else
-#error "sluice's kernels build for AVX-512 (with BF16 and VNNI) or, with -DSLUICE_AVX2, for AVX2 + FMA + F16C"
+#error "sluice's kernels build for AVX-512 with VNNI (BF16 native or not) or, with -DSLUICE_AVX2, for AVX2 + FMA + F16C"
 #endif
 
 // The plain AVX2 build (no AVX-VNNI) has no vpdpbusd: its int8 dot products use
