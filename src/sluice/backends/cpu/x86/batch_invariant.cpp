@@ -131,16 +131,19 @@ inline __m512i int8x32_to_bf16(const int8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-#if defined(SLUICE_AVX2)
-// The AVX2 build skips the bf16 round trip, which costs several instructions per half
-// there (vcvtneps2bf16 has no AVX2 form): the 32 int8 weights are widened to int16 pairs
-// (one pair of k per column in each 32-bit lane, the layout of bf16 pairs), and each k's
-// value goes to float32 directly. x's bf16 pair . the weights' pair, the odd k then the
-// even one, with exact products: what vdpbf16ps computes on the widened bf16, bit for bit.
+#if defined(SLUICE_AVX2) || !defined(__AVX512BF16__)
+// The builds without AVX-512 BF16 (AVX2, avx512_vnni) skip the bf16 round trip, which
+// costs several instructions per vector there (vcvtneps2bf16 is BF16's): the 32 int8
+// weights are widened to int16 pairs (one pair of k per column in each 32-bit lane, the
+// layout of bf16 pairs), and each k's value goes to float32 directly. x's bf16 pair . the
+// weights' pair, the odd k then the even one, with exact products: what vdpbf16ps
+// computes on the widened bf16, bit for bit.
+#define SLUICE_INT8_AS_INT16 1
 inline __m512i int8x32_to_int16(const int8_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_cvtepi8_epi16(raw);
 }
+#if defined(SLUICE_AVX2)
 inline __m256 int16_pairs_fma_half(__m256 acc, __m256i x, __m256i w) {
   const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -151,6 +154,15 @@ inline __m256 int16_pairs_fma_half(__m256 acc, __m256i x, __m256i w) {
 inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
   return {int16_pairs_fma_half(acc.lo, x.lo, w.lo), int16_pairs_fma_half(acc.hi, x.hi, w.hi)};
 }
+#else
+inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
+  const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  const __m512 w_odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+  const __m512 w_even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+  return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
+}
+#endif
 #endif
 
 // The three weight formats as one interface for the block kernel: a K "step" is a pair
@@ -166,7 +178,7 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
   const char* panel(int64_t nb) const { return reinterpret_cast<const char*>(w + nb * KP * kLanes * 2); }
   int64_t panel_bytes(int64_t groups) const { return groups * KP * kLanes * 2 * sizeof(WeightT); }
   Vec load_b(int64_t nb, int64_t s) const {
-#if defined(SLUICE_AVX2)
+#if defined(SLUICE_INT8_AS_INT16)
     if constexpr (std::is_same_v<WeightT, int8_t>) return int8x32_to_int16(w + (nb * KP + s) * kLanes * 2);
 #else
     if constexpr (std::is_same_v<WeightT, int8_t>) return int8x32_to_bf16(w + (nb * KP + s) * kLanes * 2);
@@ -182,7 +194,7 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
     return _mm512_set1_epi32(static_cast<int32_t>(row[K - 1]));
   }
   static __m512 fma(__m512 acc, Vec a, Vec b) {
-#if defined(SLUICE_AVX2)
+#if defined(SLUICE_INT8_AS_INT16)
     if constexpr (std::is_same_v<WeightT, int8_t>) return int16_pairs_fma(acc, a, b);
 #endif
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
