@@ -143,18 +143,6 @@ inline __m512i int8x32_to_int16(const int8_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_cvtepi8_epi16(raw);
 }
-#if defined(SLUICE_AVX2)
-inline __m256 int16_pairs_fma_half(__m256 acc, __m256i x, __m256i w) {
-  const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-  const __m256 w_odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16));
-  const __m256 w_even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16));
-  return _mm256_fmadd_ps(x_even, w_even, _mm256_fmadd_ps(x_odd, w_odd, acc));
-}
-inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
-  return {int16_pairs_fma_half(acc.lo, x.lo, w.lo), int16_pairs_fma_half(acc.hi, x.hi, w.hi)};
-}
-#else
 inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
   const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -162,7 +150,6 @@ inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
   const __m512 w_even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
   return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
 }
-#endif
 #endif
 
 // The three weight formats as one interface for the block kernel: a K "step" is a pair

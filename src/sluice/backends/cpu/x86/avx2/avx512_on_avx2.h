@@ -212,6 +212,7 @@ SL_INLINE sl512_ps sl512_permutex2var_ps(sl512_ps a, sl512_si idx, sl512_ps b) {
 SL_SI2(sl512_add_epi32, _mm256_add_epi32)
 SL_SI2(sl512_sub_epi32, _mm256_sub_epi32)
 SL_SI2(sl512_add_epi64, _mm256_add_epi64)
+SL_SI2(sl512_and_si512, _mm256_and_si256)
 SL_SI2(sl512_unpacklo_epi8, _mm256_unpacklo_epi8)   // AVX-512 unpacks work per 128-bit lane too
 SL_SI2(sl512_unpackhi_epi8, _mm256_unpackhi_epi8)
 SL_SI2(sl512_unpacklo_epi16, _mm256_unpacklo_epi16)
@@ -219,6 +220,9 @@ SL_SI2(sl512_unpackhi_epi16, _mm256_unpackhi_epi16)
 #undef SL_SI2
 SL_INLINE sl512_si sl512_slli_epi32(sl512_si a, const int n) {
   return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)};
+}
+SL_INLINE sl512_si sl512_srai_epi32(sl512_si a, const int n) {
+  return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)};
 }
 
 // -- conversions -----------------------------------------------------------------------
@@ -429,6 +433,10 @@ SL_INLINE __m256i sl512_mask_i64gather_epi32(__m256i src, uint8_t m, sl512_si in
 #define _mm512_unpackhi_epi16 sl512_unpackhi_epi16
 #undef _mm512_slli_epi32
 #define _mm512_slli_epi32 sl512_slli_epi32
+#undef _mm512_srai_epi32
+#define _mm512_srai_epi32 sl512_srai_epi32
+#undef _mm512_and_si512
+#define _mm512_and_si512 sl512_and_si512
 #undef _mm512_castsi512_ps
 #define _mm512_castsi512_ps sl512_castsi512_ps
 #undef _mm512_castps_si512
