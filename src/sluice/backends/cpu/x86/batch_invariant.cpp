@@ -122,16 +122,10 @@ inline void store_group(__m512 acc, const float* scale, const float* bias, int64
 }
 
 // bf16 activations x int8 weights: each 32-byte group of weights (16 columns x a pair of
-// k) is widened to bf16 in registers (exact: |q| <= 127) and fed to the same vdpbf16ps
-// as bf16 weights; the per-column scale multiplies the finished sum. Half the bytes of
-// bf16 weights, which is what a decode step at small batch is bound by.
-inline __m512i int8x32_to_bf16(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-#if defined(SLUICE_AVX2) || !defined(__AVX512BF16__)
+// k) is multiplied with the activations' bf16 pairs; the per-column scale multiplies the
+// finished sum. Half the bytes of bf16 weights, which is what a decode step at small
+// batch is bound by.
+#if !defined(__AVX512BF16__)
 // The builds without AVX-512 BF16 (AVX2, avx512_vnni) skip the bf16 round trip, which
 // costs several instructions per vector there (vcvtneps2bf16 is BF16's): the 32 int8
 // weights are widened to int16 pairs (one pair of k per column in each 32-bit lane, the
@@ -149,6 +143,14 @@ inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
   const __m512 w_odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
   const __m512 w_even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
   return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
+}
+#else
+// With BF16: the weights widened to bf16 in registers (exact: |q| <= 127) and fed to the
+// same vdpbf16ps as bf16 weights.
+inline __m512i int8x32_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 #endif
 
