@@ -190,6 +190,69 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
   }
 };
 
+#if !defined(__AVX512BF16__) && !defined(SLUICE_AVX2)
+// bf16 weights on the avx512_vnni build (AVX-512 without BF16), where vdpbf16ps is an and,
+// a shift and two FMAs per operand (avx512/bf16_on_avx512.h): the activations are widened
+// to float32 once per call (linear_into), so each FMA takes its activation as a broadcast
+// load, and only the weights are split in registers. In an 8-row x 3-group block that is
+// 48 FMAs and 6 splits per pair of k instead of 48 FMAs and 22 splits (the 8 rows' pairs
+// split too), on the same two vector ports. The same products in the same order as
+// PairWeights<uint16_t> (the odd k, then the even), so the same bits.
+#define SLUICE_BF16_WIDE_X 1
+struct WideXPairWeights {
+  using Act = float;  // x widened: x[k] as float32, in k order
+  struct Vec {
+    __m512 odd, even;
+  };
+  using ActVec = const float*;  // a row's pair (x[2s], x[2s + 1]), broadcast where used
+  const uint16_t* w;
+  int64_t KP;
+  static int64_t steps(int64_t K) { return K / 2; }
+  // An odd K is padded (widen_bf16): its last pair is x[K - 1] and a zero, with the
+  // weights' zero, as the other formats' tail computes it.
+  static constexpr bool kOddTail = false;
+  const char* panel(int64_t nb) const { return reinterpret_cast<const char*>(w + nb * KP * kLanes * 2); }
+  int64_t panel_bytes(int64_t groups) const { return groups * KP * kLanes * 2 * sizeof(uint16_t); }
+  Vec load_b(int64_t nb, int64_t s) const {
+    // The odd halves by a zero-masking move: a mask register, where a constant for an and
+    // would take the 33rd vector register of an 8 x 3 block.
+    const __m512i raw = _mm512_loadu_si512(w + (nb * KP + s) * kLanes * 2);
+    return {_mm512_castsi512_ps(_mm512_maskz_mov_epi16(static_cast<__mmask32>(0xAAAAAAAAu), raw)),
+            _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16))};
+  }
+  static ActVec bcast_a(const Act* row, int64_t s) { return row + 2 * s; }
+  // One row: every group's odd product, then every group's even one (each sum still takes
+  // its odd k first), so one broadcast is live at a time: 24 sums + 6 weight vectors + 1.
+  template <int C>
+  static void fma_row(__m512 (&acc)[C], ActVec a, const Vec (&b)[C]) {
+    const __m512 odd = _mm512_set1_ps(a[1]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(odd, b[c].odd, acc[c]);
+    const __m512 even = _mm512_set1_ps(a[0]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(even, b[c].even, acc[c]);
+  }
+};
+
+// x [M, K] bf16 as float32 (exact), each row padded with zeros to Kp (K rounded up to
+// whole pairs), in a buffer of the calling thread's that lives until its next call.
+inline const float* widen_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t Kp) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < M * Kp) buf.resize(M * Kp);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* in = x + m * K;
+    float* out = buf.data() + m * Kp;
+    int64_t i = 0;
+    for (; i + kLanes <= K; i += kLanes)
+      _mm512_storeu_ps(out + i, bf16x16_to_f32_masked(in + i, static_cast<__mmask16>(0xFFFF)));
+    if (i < K) {
+      const __mmask16 m16 = static_cast<__mmask16>((1u << (K - i)) - 1);
+      _mm512_mask_storeu_ps(out + i, m16, bf16x16_to_f32_masked(in + i, m16));
+    }
+    for (int64_t k = K; k < Kp; ++k) out[k] = 0.0f;
+  }
+  return buf.data();
+}
+#endif
+
 struct Float32Weights {
   using Act = float;
   using Vec = __m512;
@@ -206,6 +269,14 @@ struct Float32Weights {
 };
 
 
+// One row's sums += its activations (a) x C groups of weights (b): the format's own
+// order where it has one (WideXPairWeights), else group by group.
+template <typename W, int C, typename A>
+inline void fma_row(__m512 (&acc)[C], const A& a, const typename W::Vec (&b)[C]) {
+  if constexpr (requires { W::template fma_row<C>(acc, a, b); }) W::template fma_row<C>(acc, a, b);
+  else for (int c = 0; c < C; ++c) acc[c] = W::fma(acc[c], a, b[c]);
+}
+
 // R rows x C groups of 16 columns; each lane's sum runs over K from 0 upward.
 template <int R, int C, typename W>
 void block(const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const float* scale, const float* bias,
@@ -218,17 +289,13 @@ void block(const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const f
     pf.step();
     typename W::Vec b[C];
     for (int c = 0; c < C; ++c) b[c] = w.load_b(nb0 + c, s);
-    for (int r = 0; r < R; ++r) {
-      const typename W::Vec a = W::bcast_a(X + (m0 + r) * K, s);
-      for (int c = 0; c < C; ++c) acc[r][c] = W::fma(acc[r][c], a, b[c]);
-    }
+    for (int r = 0; r < R; ++r) fma_row<W>(acc[r], W::bcast_a(X + (m0 + r) * K, s), b);
   }
-  if (W::kOddTail && K % 2) {
-    typename W::Vec b[C];
-    for (int c = 0; c < C; ++c) b[c] = w.load_b(nb0 + c, steps);
-    for (int r = 0; r < R; ++r) {
-      const typename W::Vec a = W::bcast_last(X + (m0 + r) * K, K);
-      for (int c = 0; c < C; ++c) acc[r][c] = W::fma(acc[r][c], a, b[c]);
+  if constexpr (W::kOddTail) {
+    if (K % 2) {
+      typename W::Vec b[C];
+      for (int c = 0; c < C; ++c) b[c] = w.load_b(nb0 + c, steps);
+      for (int r = 0; r < R; ++r) fma_row<W>(acc[r], W::bcast_last(X + (m0 + r) * K, K), b);
     }
   }
   const size_t esz = out_f32 ? 4 : 2;
@@ -238,17 +305,25 @@ void block(const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const f
   }
 }
 
+// Column groups per work unit: kCols, or a weight format's own (WideXPairWeights: its
+// split weights take twice the registers).
+template <typename W>
+constexpr int unit_cols() {
+  if constexpr (requires { W::kUnitCols; }) return W::kUnitCols;
+  else return kCols;
+}
+
 template <int R, typename W>
 void block_cols(int C, const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const float* scale,
                 const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
-  if constexpr (R * kCols > kMaxSums) {  // one group at a time (the same sums, in the same order)
+  if constexpr (R * unit_cols<W>() > kMaxSums) {  // one group at a time (the same sums, in the same order)
     for (int c = 0; c < C; ++c) block<R, 1>(w, X, K, nb0 + c, scale, bias, N, out_f32, out, m0, pf);
     return;
   }
   switch (C) {
     case 1: return block<R, 1>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
     case 2: return block<R, 2>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
-    default: return block<R, kCols>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
+    default: return block<R, unit_cols<W>()>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
   }
 }
 
@@ -259,7 +334,8 @@ void block_cols(int C, const W& w, const typename W::Act* X, int64_t K, int64_t 
 template <typename W>
 void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N, const float* scale,
           const float* bias, bool out_f32, void* out) {
-  const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kCols - 1) / kCols;
+  constexpr int kUnit = unit_cols<W>();
+  const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kUnit - 1) / kUnit;
   // Row blocks (start, rows) of every unit.
   std::vector<std::pair<int64_t, int>> rows;
   for (int64_t m0 = 0; m0 < M;) {
@@ -271,11 +347,11 @@ void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N,
   const int64_t passes = static_cast<int64_t>(rows.size()), steps = std::max<int64_t>(1, W::steps(K));
   parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t nb0 = u * kCols;
-      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
+      const int64_t nb0 = u * kUnit;
+      const int C = static_cast<int>(std::min<int64_t>(kUnit, NB - nb0));
       // The next unit's panel (if this thread runs it), a 1/passes share of it per pass.
-      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses ? w.panel(nb0 + kCols) : nullptr;
-      const int64_t next_lines = next ? (w.panel_bytes(std::min<int64_t>(kCols, NB - nb0 - kCols)) + 63) / 64 : 0;
+      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses ? w.panel(nb0 + kUnit) : nullptr;
+      const int64_t next_lines = next ? (w.panel_bytes(std::min<int64_t>(kUnit, NB - nb0 - kUnit)) + 63) / 64 : 0;
       for (int64_t p = 0; p < passes; ++p) {
         const Prefetch pf = Prefetch::share(next, next_lines, p, passes, steps);
         const auto [m0, r] = rows[p];
@@ -322,9 +398,14 @@ void linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, const
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (M == 0) return;
   if (bf16) {
-    const PairWeights<uint16_t> w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), (K + 1) / 2};
-    gemm(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, nullptr, bp, out_f32,
-         out.data_ptr());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+#if defined(SLUICE_BF16_WIDE_X)
+    const int64_t KP = (K + 1) / 2;
+    gemm(WideXPairWeights{wp, KP}, widen_bf16(xp, M, K, 2 * KP), M, 2 * KP, N, nullptr, bp, out_f32, out.data_ptr());
+#else
+    gemm(PairWeights<uint16_t>{wp, (K + 1) / 2}, xp, M, K, N, nullptr, bp, out_f32, out.data_ptr());
+#endif
   } else {
     const Float32Weights w{packed.data_ptr<float>(), K};
     gemm(w, x.data_ptr<float>(), M, K, N, nullptr, bp, true, out.data_ptr());
