@@ -305,25 +305,17 @@ void block(const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const f
   }
 }
 
-// Column groups per work unit: kCols, or a weight format's own (WideXPairWeights: its
-// split weights take twice the registers).
-template <typename W>
-constexpr int unit_cols() {
-  if constexpr (requires { W::kUnitCols; }) return W::kUnitCols;
-  else return kCols;
-}
-
 template <int R, typename W>
 void block_cols(int C, const W& w, const typename W::Act* X, int64_t K, int64_t nb0, const float* scale,
                 const float* bias, int64_t N, bool out_f32, void* out, int64_t m0, Prefetch pf) {
-  if constexpr (R * unit_cols<W>() > kMaxSums) {  // one group at a time (the same sums, in the same order)
+  if constexpr (R * kCols > kMaxSums) {  // one group at a time (the same sums, in the same order)
     for (int c = 0; c < C; ++c) block<R, 1>(w, X, K, nb0 + c, scale, bias, N, out_f32, out, m0, pf);
     return;
   }
   switch (C) {
     case 1: return block<R, 1>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
     case 2: return block<R, 2>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
-    default: return block<R, unit_cols<W>()>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
+    default: return block<R, kCols>(w, X, K, nb0, scale, bias, N, out_f32, out, m0, pf);
   }
 }
 
@@ -334,8 +326,7 @@ void block_cols(int C, const W& w, const typename W::Act* X, int64_t K, int64_t 
 template <typename W>
 void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N, const float* scale,
           const float* bias, bool out_f32, void* out) {
-  constexpr int kUnit = unit_cols<W>();
-  const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kUnit - 1) / kUnit;
+  const int64_t NB = (N + kLanes - 1) / kLanes, units = (NB + kCols - 1) / kCols;
   // Row blocks (start, rows) of every unit.
   std::vector<std::pair<int64_t, int>> rows;
   for (int64_t m0 = 0; m0 < M;) {
@@ -347,11 +338,11 @@ void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N,
   const int64_t passes = static_cast<int64_t>(rows.size()), steps = std::max<int64_t>(1, W::steps(K));
   parallel_units(units, M > kBalanceRows, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t nb0 = u * kUnit;
-      const int C = static_cast<int>(std::min<int64_t>(kUnit, NB - nb0));
+      const int64_t nb0 = u * kCols;
+      const int C = static_cast<int>(std::min<int64_t>(kCols, NB - nb0));
       // The next unit's panel (if this thread runs it), a 1/passes share of it per pass.
-      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses ? w.panel(nb0 + kUnit) : nullptr;
-      const int64_t next_lines = next ? (w.panel_bytes(std::min<int64_t>(kUnit, NB - nb0 - kUnit)) + 63) / 64 : 0;
+      const char* next = u + 1 < end && passes <= kPrefetchMaxPasses ? w.panel(nb0 + kCols) : nullptr;
+      const int64_t next_lines = next ? (w.panel_bytes(std::min<int64_t>(kCols, NB - nb0 - kCols)) + 63) / 64 : 0;
       for (int64_t p = 0; p < passes; ++p) {
         const Prefetch pf = Prefetch::share(next, next_lines, p, passes, steps);
         const auto [m0, r] = rows[p];
