@@ -191,34 +191,42 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
 };
 
 #if !defined(__AVX512BF16__) && !defined(SLUICE_AVX2)
-// bf16 weights on the avx512_vnni build (AVX-512 without BF16), where vdpbf16ps is an and,
-// a shift and two FMAs per operand (avx512/bf16_on_avx512.h): the activations are widened
-// to float32 once per call (linear_into), so each FMA takes its activation as a broadcast
-// load, and only the weights are split in registers. In an 8-row x 3-group block that is
-// 48 FMAs and 6 splits per pair of k instead of 48 FMAs and 22 splits (the 8 rows' pairs
-// split too), on the same two vector ports. The same products in the same order as
-// PairWeights<uint16_t> (the odd k, then the even), so the same bits.
-#define SLUICE_BF16_WIDE_X 1
+// bf16 and int8 weights on the avx512_vnni build (AVX-512 without BF16), where vdpbf16ps
+// is an and, a shift and two FMAs per operand (avx512/bf16_on_avx512.h) and the int8
+// weights' int16 pairs split the same way: the activations are widened to float32 once per
+// call (linear_into, linear_int8), so each row's k takes one broadcast, and only the
+// weights are split in registers. In an 8-row x 3-group block that is 48 FMAs and 6 splits
+// per pair of k for bf16 (12 for int8) instead of 48 and 22 (28): the 8 rows' pairs split
+// too, on the same two vector ports. The same products in the same order as
+// PairWeights (the odd k, then the even), so the same bits.
+#define SLUICE_WIDE_X 1
+template <typename WeightT>  // uint16_t (bf16) or int8_t
 struct WideXPairWeights {
   using Act = float;  // x widened: x[k] as float32, in k order
   struct Vec {
     __m512 odd, even;
   };
   using ActVec = const float*;  // a row's pair (x[2s], x[2s + 1]), broadcast where used
-  const uint16_t* w;
+  const WeightT* w;
   int64_t KP;
   static int64_t steps(int64_t K) { return K / 2; }
   // An odd K is padded (widen_bf16): its last pair is x[K - 1] and a zero, with the
   // weights' zero, as the other formats' tail computes it.
   static constexpr bool kOddTail = false;
   const char* panel(int64_t nb) const { return reinterpret_cast<const char*>(w + nb * KP * kLanes * 2); }
-  int64_t panel_bytes(int64_t groups) const { return groups * KP * kLanes * 2 * sizeof(uint16_t); }
+  int64_t panel_bytes(int64_t groups) const { return groups * KP * kLanes * 2 * sizeof(WeightT); }
   Vec load_b(int64_t nb, int64_t s) const {
-    // The odd halves by a zero-masking move: a mask register, where a constant for an and
-    // would take the 33rd vector register of an 8 x 3 block.
-    const __m512i raw = _mm512_loadu_si512(w + (nb * KP + s) * kLanes * 2);
-    return {_mm512_castsi512_ps(_mm512_maskz_mov_epi16(static_cast<__mmask32>(0xAAAAAAAAu), raw)),
-            _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16))};
+    if constexpr (std::is_same_v<WeightT, int8_t>) {
+      const __m512i v = int8x32_to_int16(w + (nb * KP + s) * kLanes * 2);
+      return {_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)),
+              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16))};
+    } else {
+      // The odd halves by a zero-masking move: a mask register, where a constant for an
+      // and would take the 33rd vector register of an 8 x 3 block.
+      const __m512i raw = _mm512_loadu_si512(w + (nb * KP + s) * kLanes * 2);
+      return {_mm512_castsi512_ps(_mm512_maskz_mov_epi16(static_cast<__mmask32>(0xAAAAAAAAu), raw)),
+              _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16))};
+    }
   }
   static ActVec bcast_a(const Act* row, int64_t s) { return row + 2 * s; }
   // One row: every group's odd product, then every group's even one (each sum still takes
@@ -391,9 +399,10 @@ void linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, const
   if (bf16) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-#if defined(SLUICE_BF16_WIDE_X)
+#if defined(SLUICE_WIDE_X)
     const int64_t KP = (K + 1) / 2;
-    gemm(WideXPairWeights{wp, KP}, widen_bf16(xp, M, K, 2 * KP), M, 2 * KP, N, nullptr, bp, out_f32, out.data_ptr());
+    gemm(WideXPairWeights<uint16_t>{wp, KP}, widen_bf16(xp, M, K, 2 * KP), M, 2 * KP, N, nullptr, bp, out_f32,
+         out.data_ptr());
 #else
     gemm(PairWeights<uint16_t>{wp, (K + 1) / 2}, xp, M, K, N, nullptr, bp, out_f32, out.data_ptr());
 #endif
@@ -418,9 +427,15 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = at::empty({M, N}, x.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  const PairWeights<int8_t> w{packed.data_ptr<int8_t>(), (K + 1) / 2};
-  gemm(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, scale_f.data_ptr<float>(), bp,
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+#if defined(SLUICE_WIDE_X)
+  const int64_t KP = (K + 1) / 2;
+  gemm(WideXPairWeights<int8_t>{packed.data_ptr<int8_t>(), KP}, widen_bf16(xp, M, K, 2 * KP), M, 2 * KP, N,
+       scale_f.data_ptr<float>(), bp, out_float32, out.data_ptr());
+#else
+  gemm(PairWeights<int8_t>{packed.data_ptr<int8_t>(), (K + 1) / 2}, xp, M, K, N, scale_f.data_ptr<float>(), bp,
        out_float32, out.data_ptr());
+#endif
   return out;
 }
 
