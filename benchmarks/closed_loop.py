@@ -1,5 +1,6 @@
 """The served c32 workload offline: 64 requests of ~210-token prompts and 128 output tokens
-(greedy, ignore_eos), at most 32 running, a waiting request admitted the step after one
+(greedy, or sampled at --temperature: what a client that sends none, like guidellm, gets at
+OpenAI's default of 1; ignore_eos), at most 32 running, a waiting request admitted the step after one
 finishes; engine settings compared side by side, alternating, in one process. Per
 variant and round: output tok/s, and the count and median time of decode-only steps and
 of steps that also carry prompt tokens.
@@ -21,10 +22,10 @@ from sluice import LLMEngine, SamplingParams
 from sluice.bench.workload import make_prompts
 
 
-def run(engine: LLMEngine, seed: int, requests: int, output_len: int) -> dict:
+def run(engine: LLMEngine, seed: int, requests: int, output_len: int, temperature: float = 0.0) -> dict:
     for i, prompt in enumerate(make_prompts(engine.tokenizer, requests, 200, 220, seed=seed)):
         engine.add_request(f"r{seed}_{i}", prompt,
-                           SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+                           SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True))
     decode, mixed = [], []
     execute = engine.runner.execute
 
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
     variants = {}
     for v in args.variants:
@@ -63,7 +65,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, engine in engines.items():
             gc.collect()
-            m = run(engine, 100 + r, args.requests, args.output_len)
+            m = run(engine, 100 + r, args.requests, args.output_len, args.temperature)
             print(f"{name:12s} round {r}: {m['tok_per_s']:6.1f} tok/s  decode {m['decode_steps']} x "
                   f"{m['decode_ms']:.1f} ms  mixed {m['mixed_steps']} x {m['mixed_ms']:.1f} ms", flush=True)
 
