@@ -358,14 +358,14 @@ def served(args, offline_rows: list[dict]) -> list[dict]:
         port = s.getsockname()[1]
     flags = ["--port", str(port), "--model", args.model, "--speculative-method", "off", "--kv-cache-dtype", args.kv_cache_dtype,
              "--quantization", "none" if args.quantization is None else args.quantization, "--cpu-isa", args.cpu_isa]
-    log = open(args.out_dir / "step_profile_server.log", "w")
+    log = open(args.out_dir / f"{args.prefix}_server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "sluice.entrypoints.cli", "serve", *flags], stdout=log,
                               stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     rows = []
     try:
         import httpx
         while True:
-            assert server.poll() is None, "the server died (step_profile_server.log)"
+            assert server.poll() is None, f"the server died ({args.prefix}_server.log)"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
@@ -373,7 +373,7 @@ def served(args, offline_rows: list[dict]) -> list[dict]:
                 pass
             time.sleep(1)
         for c in args.served:
-            report = args.out_dir / f"step_profile_c{c}.json"
+            report = args.out_dir / f"{args.prefix}_c{c}.json"
             subprocess.run([sys.executable, "-m", "sluice.entrypoints.cli", "bench", "serve", "--url",
                             f"http://127.0.0.1:{port}", "--model", args.model, "--tokenizer", args.model, "--concurrency", str(c), "--requests", str(max(8, 2 * c)),
                             "--input-len", "64", "--output-len", "64", "--json", str(report)],
@@ -404,7 +404,10 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     args.quantization = None if args.quantization == "none" else args.quantization
+    # The served run's client reports and server log go beside --json, named after it (a
+    # fixed name there overwrote another run's files in a shared results folder).
     args.out_dir = (args.json.parent if args.json else ROOT / "benchmarks" / "results")
+    args.prefix = args.json.stem if args.json else "step_profile"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows, info = offline(args)
     serve_rows = served(args, rows) if args.served else []
