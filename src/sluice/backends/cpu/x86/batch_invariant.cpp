@@ -49,6 +49,22 @@ inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
 }
 // Round to nearest even, as torch's float -> bfloat16 conversion does.
 inline __m256i f32_to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+// Elements j..j+15 of a row of n (float32 or bf16) as float32, zeros past n; and the
+// store back, rounded to T (the row-wise kernels' and widen_bf16's access).
+template <typename T>
+inline __m512 load_row(const T* p, int64_t j, int64_t n) {
+  const int64_t left = n - j;
+  const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, p + j);
+  else return bf16x16_to_f32_masked(reinterpret_cast<const uint16_t*>(p) + j, m);
+}
+template <typename T>
+inline void store_row(T* p, int64_t j, int64_t n, __m512 v) {
+  const int64_t left = n - j;
+  const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p + j, m, v);
+  else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(p) + j, m, f32_to_bf16x16(v));
+}
 
 // ---------------------------------------------------------------------------------
 // Weight packing: [N/16][ceil(K/kPer)][16][kPer], 16 output columns side by side per K
@@ -137,12 +153,13 @@ inline __m512i int8x32_to_int16(const int8_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_cvtepi8_epi16(raw);
 }
+// The odd and the even k of each lane's int16 pair, as float32 (exact).
+inline __m512 int16_odd_to_f32(__m512i w) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16)); }
+inline __m512 int16_even_to_f32(__m512i w) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16)); }
 inline __m512 int16_pairs_fma(__m512 acc, __m512i x, __m512i w) {
   const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-  const __m512 w_odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
-  const __m512 w_even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
-  return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
+  return _mm512_fmadd_ps(x_even, int16_even_to_f32(w), _mm512_fmadd_ps(x_odd, int16_odd_to_f32(w), acc));
 }
 #else
 // With BF16: the weights widened to bf16 in registers (exact: |q| <= 127) and fed to the
@@ -194,12 +211,11 @@ struct PairWeights {  // bf16 activations; WeightT = uint16_t (bf16) or int8_t
 // bf16 and int8 weights on the avx512_vnni build (AVX-512 without BF16), where vdpbf16ps
 // is an and, a shift and two FMAs per operand (avx512/bf16_on_avx512.h) and the int8
 // weights' int16 pairs split the same way: the activations are widened to float32 once per
-// call (linear_into, linear_int8), so each row's k takes one broadcast, and only the
+// call (pair_gemm), so each row's k takes one broadcast, and only the
 // weights are split in registers. In an 8-row x 3-group block that is 48 FMAs and 6 splits
 // per pair of k for bf16 (12 for int8) instead of 48 and 22 (28): the 8 rows' pairs split
 // too, on the same two vector ports. The same products in the same order as
 // PairWeights (the odd k, then the even), so the same bits.
-#define SLUICE_WIDE_X 1
 template <typename WeightT>  // uint16_t (bf16) or int8_t
 struct WideXPairWeights {
   using Act = float;  // x widened: x[k] as float32, in k order
@@ -218,8 +234,7 @@ struct WideXPairWeights {
   Vec load_b(int64_t nb, int64_t s) const {
     if constexpr (std::is_same_v<WeightT, int8_t>) {
       const __m512i v = int8x32_to_int16(w + (nb * KP + s) * kLanes * 2);
-      return {_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)),
-              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16))};
+      return {int16_odd_to_f32(v), int16_even_to_f32(v)};
     } else {
       // The odd halves by a zero-masking move: a mask register, where a constant for an
       // and would take the 33rd vector register of an 8 x 3 block.
@@ -245,18 +260,8 @@ struct WideXPairWeights {
 inline const float* widen_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t Kp) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < M * Kp) buf.resize(M * Kp);
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* in = x + m * K;
-    float* out = buf.data() + m * Kp;
-    int64_t i = 0;
-    for (; i + kLanes <= K; i += kLanes)
-      _mm512_storeu_ps(out + i, bf16x16_to_f32_masked(in + i, static_cast<__mmask16>(0xFFFF)));
-    if (i < K) {
-      const __mmask16 m16 = static_cast<__mmask16>((1u << (K - i)) - 1);
-      _mm512_mask_storeu_ps(out + i, m16, bf16x16_to_f32_masked(in + i, m16));
-    }
-    for (int64_t k = K; k < Kp; ++k) out[k] = 0.0f;
-  }
+  for (int64_t m = 0; m < M; ++m)  // Kp <= K + 1: every 16 lanes start inside the row
+    for (int64_t j = 0; j < Kp; j += kLanes) store_row(buf.data() + m * Kp, j, Kp, load_row(x + m * K, j, K));
   return buf.data();
 }
 #endif
@@ -365,6 +370,19 @@ void gemm(const W& w, const typename W::Act* X, int64_t M, int64_t K, int64_t N,
   });
 }
 
+// out = x W^T for bf16 x and weights in the pair layout (bf16 or int8): PairWeights, or
+// WideXPairWeights with x widened where the build has no BF16 instructions on AVX-512.
+template <typename WeightT>
+void pair_gemm(const WeightT* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, const float* scale,
+               const float* bias, bool out_f32, void* out) {
+  const int64_t KP = (K + 1) / 2;
+#if !defined(__AVX512BF16__) && !defined(SLUICE_AVX2)
+  gemm(WideXPairWeights<WeightT>{w, KP}, widen_bf16(x, M, K, 2 * KP), M, 2 * KP, N, scale, bias, out_f32, out);
+#else
+  gemm(PairWeights<WeightT>{w, KP}, x, M, K, N, scale, bias, out_f32, out);
+#endif
+}
+
 at::Tensor float_or_empty(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->to(at::kFloat).contiguous() : at::Tensor();
 }
@@ -397,15 +415,9 @@ void linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, const
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (M == 0) return;
   if (bf16) {
-    const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-#if defined(SLUICE_WIDE_X)
-    const int64_t KP = (K + 1) / 2;
-    gemm(WideXPairWeights<uint16_t>{wp, KP}, widen_bf16(xp, M, K, 2 * KP), M, 2 * KP, N, nullptr, bp, out_f32,
-         out.data_ptr());
-#else
-    gemm(PairWeights<uint16_t>{wp, (K + 1) / 2}, xp, M, K, N, nullptr, bp, out_f32, out.data_ptr());
-#endif
+    pair_gemm(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, nullptr, bp, out_f32,
+              out.data_ptr());
   } else {
     const Float32Weights w{packed.data_ptr<float>(), K};
     gemm(w, x.data_ptr<float>(), M, K, N, nullptr, bp, true, out.data_ptr());
@@ -427,35 +439,15 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scale, int64_
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = at::empty({M, N}, x.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-#if defined(SLUICE_WIDE_X)
-  const int64_t KP = (K + 1) / 2;
-  gemm(WideXPairWeights<int8_t>{packed.data_ptr<int8_t>(), KP}, widen_bf16(xp, M, K, 2 * KP), M, 2 * KP, N,
-       scale_f.data_ptr<float>(), bp, out_float32, out.data_ptr());
-#else
-  gemm(PairWeights<int8_t>{packed.data_ptr<int8_t>(), (K + 1) / 2}, xp, M, K, N, scale_f.data_ptr<float>(), bp,
-       out_float32, out.data_ptr());
-#endif
+  pair_gemm(packed.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N,
+            scale_f.data_ptr<float>(), bp, out_float32, out.data_ptr());
   return out;
 }
 
 // ---------------------------------------------------------------------------------
-// Row-wise elementwise helpers: 16 lanes at a time, the tail masked, so the arithmetic
-// for column j is the same instruction sequence whatever the row count.
-template <typename T>
-inline __m512 load_row(const T* p, int64_t j, int64_t n) {
-  const int64_t left = n - j;
-  const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, p + j);
-  else return bf16x16_to_f32_masked(reinterpret_cast<const uint16_t*>(p) + j, m);
-}
-template <typename T>
-inline void store_row(T* p, int64_t j, int64_t n, __m512 v) {
-  const int64_t left = n - j;
-  const __mmask16 m = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p + j, m, v);
-  else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(p) + j, m, f32_to_bf16x16(v));
-}
+// Row-wise elementwise helpers (load_row and store_row at the top): 16 lanes at a time, the
+// tail masked, so the arithmetic for column j is the same instruction sequence whatever the
+// row count.
 // Rounds a float32 vector to T and back (the rounding torch applies between two ops in T).
 template <typename T>
 inline __m512 round_to(__m512 v) {
